@@ -1,0 +1,192 @@
+"""The compressed all-reduce of spec §1: signs plus one scale, error feedback on both sides.
+
+For a flat buffer ``x_i`` on each of ``n`` ranks, padded (virtually) with zeros to ``L``, a
+multiple of ``8·n``, and split into ``n`` chunks of ``C = L / n`` elements::
+
+    round 1  all-gather   s_i = RMS(x_i + e_i)                          4 bytes per rank
+             (every rank now knows whether any rank's input is non-finite)
+             bits_i = sign⁺(x_i + e_i);  e_i = y - s_i·sign⁺(y)          (worker error feedback)
+    round 2  all-to-all   chunk j of bits_i -> rank j                   L/8 bytes per rank
+             rank j is the "server" of chunk j:
+             a = mean_i s_i·sign⁺_i;  z = a + ē_j;  t_j = RMS(z)
+             bits = sign⁺(z);  ē_j = z - t_j·sign⁺(z)                   (server error feedback)
+    round 3  all-gather   [t_j | bits of chunk j]                       4 + C/8 bytes per rank
+             result = concat_j t_j·sign⁺(z_j), cut back to the unpadded length
+
+Bytes sent per rank ≈ ``2·(n-1)/n·L/8``, against ``2·(n-1)/n·4·L`` for an fp32 ring all-reduce:
+about 32 times less. DeepSpeed used four rounds (scales and signs gathered separately); here the
+server's scale rides with its signs, and the worker scales go first, which costs nothing (they
+had to be exchanged anyway) and lets a non-finite value on any rank be seen by every rank
+*before* any error buffer is written: then no error buffer changes anywhere and the result is
+non-finite on every rank, so ``GradScaler`` (or the optimizer) skips the step consistently.
+
+Every rank decodes the same gathered payload with the same kernel, so the result is bitwise
+identical on all ranks. With ``n == 1`` nothing is compressed and the input is returned as is.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+
+from hf_onebit.comm.executor import executor_for
+from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
+from hf_onebit.kernels import get_backend, load_backend
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def padded_length(numel: int, world_size: int) -> int:
+    """Smallest multiple of ``8 * world_size`` that holds ``numel`` elements."""
+    unit = 8 * world_size
+    return -(-numel // unit) * unit
+
+
+class CompressedAllReduce:
+    """State and algorithm of the compressed all-reduce for one flat buffer.
+
+    The state is the worker error (``L`` fp32 elements) and the server error (``C`` fp32
+    elements): it persists across calls, belongs to this buffer only, and is saved and
+    restored with :meth:`state_dict` / :meth:`load_state_dict` (it differs on every rank).
+    Work buffers are allocated once and reused: fresh large allocations are several times
+    slower than writing into memory that is already mapped.
+
+    Args:
+        numel: number of elements of the buffers this state compresses (fixed).
+        device: where the buffers live (the kernels are chosen by device type).
+        group: process group (default: the world).
+        kernels: kernel backend name (``"reference"``, ``"cpu"``, ``"triton"``) or module;
+            default: by device.
+        stats: counters to record into (default: a fresh :class:`CommStats`).
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        device: torch.device | str = "cpu",
+        group: dist.ProcessGroup | None = None,
+        kernels: str | ModuleType | None = None,
+        stats: CommStats | None = None,
+    ) -> None:
+        self.numel = int(numel)
+        self.device = torch.device(device)
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        if isinstance(kernels, str):
+            kernels = load_backend(kernels)
+        self.kernels: ModuleType = kernels or get_backend(self.device)
+        self.stats = stats if stats is not None else CommStats()
+
+        n = self.world_size
+        self.padded_numel = padded_length(self.numel, n) if n > 1 else self.numel
+        self.chunk = self.padded_numel // n
+        f32 = dict(dtype=torch.float32, device=self.device)
+        u8 = dict(dtype=torch.uint8, device=self.device)
+        if n > 1:
+            self.worker_error = torch.zeros(self.padded_numel, **f32)
+            self.server_error = torch.zeros(self.chunk, **f32)
+            self._scales = torch.empty(n, **f32)
+            self._send_bits = torch.empty(self.padded_numel // 8, **u8)
+            self._recv_bits = torch.empty(self.padded_numel // 8, **u8)
+            # Round 3 payload: 4 bytes of fp32 scale, then the chunk's bits.
+            self._payload = torch.empty(4 + self.chunk // 8, **u8)
+            self._gathered = torch.empty(n * (4 + self.chunk // 8), **u8)
+            self._gathered_bits = torch.empty(n, self.chunk // 8, **u8)
+            self._gathered_scales = torch.empty(n, 4, **u8)
+        else:
+            self.worker_error = torch.zeros(0, **f32)
+            self.server_error = torch.zeros(0, **f32)
+
+    # ------------------------------------------------------------------ the algorithm
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocking compressed all-reduce of ``x`` (any float dtype); returns ``out`` (default ``x``).
+
+        Call it from the group's executor (as :meth:`allreduce_async` and :meth:`allreduce` do)
+        when other hf_onebit collectives may be in flight on the same group.
+        """
+        if x.numel() != self.numel:
+            raise ValueError(f"this state compresses {self.numel} elements, got a buffer of {x.numel()}")
+        out = x if out is None else out
+        if self.world_size == 1:
+            if out is not x:
+                out.copy_(x)
+            return out
+        x = x.reshape(-1)
+        k, n, group = self.kernels, self.world_size, self.group
+
+        # Round 1: worker scales. Every rank learns every rank's scale (and its finiteness).
+        own = k.worker_scale(x, self.worker_error).reshape(1)
+        _all_gather(self._scales, own, group=group)
+        k.worker_pack(x, self.worker_error, self._scales, self.rank, self._send_bits)
+
+        # Round 2: chunk j of every rank's signs goes to rank j.
+        dist.all_to_all_single(self._recv_bits, self._send_bits, group=group)
+        recv = self._recv_bits.view(n, self.chunk // 8)
+        t = k.server_scale(recv, self._scales, self.server_error)
+        self._payload[:4].view(torch.float32).copy_(t.reshape(1))
+        k.server_pack(recv, self._scales, self.server_error, t, self._payload[4:])
+
+        # Round 3: every server's scale and signs go to every rank.
+        _all_gather(self._gathered, self._payload, group=group)
+        rows = self._gathered.view(n, 4 + self.chunk // 8)
+        self._gathered_scales.copy_(rows[:, :4])
+        self._gathered_bits.copy_(rows[:, 4:])
+        k.unpack_scaled(self._gathered_bits, self._gathered_scales.view(torch.float32).reshape(n), out.reshape(-1))
+
+        self.stats.record(self.bytes_per_call())
+        return out
+
+    def bytes_per_call(self) -> CommRecord:
+        """What one call sends and receives on this rank (see :mod:`hf_onebit.comm.stats`)."""
+        n = self.world_size
+        if n == 1:
+            return CommRecord(calls=1)
+        scales = (n - 1) * 4
+        signs = (n - 1) * (self.chunk // 8)
+        payload = (n - 1) * (4 + self.chunk // 8)
+        moved = scales + signs + payload
+        return CommRecord(
+            bytes_sent=moved,
+            bytes_received=moved,
+            rounds=3,
+            fp32_equivalent=allreduce_bytes(4 * self.numel, n),
+            calls=1,
+        )
+
+    # ------------------------------------------------------------------ entry points
+    def allreduce_async(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.futures.Future:
+        """Queue the call on the group's ordered executor; the future's value is ``out``."""
+        return executor_for(self.group, self.device).submit(lambda: self(x, out))
+
+    def allreduce(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocking call, ordered after every hf_onebit collective already queued on the group."""
+        return self.allreduce_async(x, out).wait()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """This rank's error buffers (they differ on every rank: save them per rank)."""
+        return {
+            "numel": self.numel,
+            "world_size": self.world_size,
+            "worker_error": self.worker_error.detach().clone(),
+            "server_error": self.server_error.detach().clone(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output saved by the same rank with the same world size."""
+        if state["numel"] != self.numel or state["world_size"] != self.world_size:
+            raise ValueError(
+                "compression state was saved for a buffer of {} elements on {} ranks, this one has"
+                " {} elements on {} ranks".format(state["numel"], state["world_size"], self.numel, self.world_size)
+            )
+        self.worker_error.copy_(state["worker_error"])
+        self.server_error.copy_(state["server_error"])
+
+    def reset(self) -> None:
+        """Zero both error buffers (0/1 Adam does this when it enters its local-step phase)."""
+        self.worker_error.zero_()
+        self.server_error.zero_()

@@ -1,0 +1,105 @@
+"""Issue collectives in one order on every rank, without blocking the caller.
+
+The compressed all-reduce is a chain: exchange scales, then compress, then all-to-all, then
+the server step, then all-gather. Each link needs the previous one's *result*. With several
+DDP buckets in flight, the obvious asynchronous design (start the next collective in a
+future's ``.then()`` callback) lets callbacks run in completion order, which differs between
+ranks: gloo then pairs the wrong collectives and hangs or fails with "collective mismatch".
+
+So every collective hf_onebit issues on a process group goes through that group's executor:
+
+* :class:`ThreadExecutor` (gloo, CPU): one worker thread per group runs jobs strictly in
+  submission order, each job blocking on its own collectives. DDP submits buckets in the same
+  order on every rank, so every rank issues the same sequence. The caller gets a
+  :class:`torch.futures.Future` at once; backward continues on the main thread meanwhile (the
+  numba kernels and gloo release the GIL).
+* :class:`InlineExecutor` (NCCL, CUDA): NCCL collectives and Triton kernels are enqueued on CUDA
+  streams and never block the host, so the job runs right away on the calling thread; its
+  order on the stream is the submission order. The returned future is CUDA-aware
+  (``devices=[...]``), so whoever waits on it synchronises its stream, not the host.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+Job = Callable[[], Any]
+
+
+class InlineExecutor:
+    """Run each job immediately on the calling thread (stream-ordered backends like NCCL)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+
+    def submit(self, job: Job) -> torch.futures.Future:
+        devices = [self.device] if self.device is not None and self.device.type == "cuda" else None
+        fut: torch.futures.Future = torch.futures.Future(devices=devices)
+        try:
+            fut.set_result(job())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            fut.set_exception(exc)
+        return fut
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ThreadExecutor:
+    """One daemon thread that runs jobs in submission order (host-blocking backends like gloo)."""
+
+    def __init__(self, name: str = "hf_onebit-comm") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self._jobs.put((job, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, fut = item
+            try:
+                result = job()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+
+# id(group) -> (group, executor); the group is kept so its id cannot be reused while we hold it.
+_EXECUTORS: dict[int, tuple[Any, Any]] = {}
+_LOCK = threading.Lock()
+
+
+def executor_for(group: dist.ProcessGroup | None = None, device: torch.device | None = None):
+    """The executor shared by every hf_onebit collective on ``group`` (created on first use)."""
+    group = group if group is not None else dist.group.WORLD
+    with _LOCK:
+        entry = _EXECUTORS.get(id(group))
+        if entry is None:
+            if dist.get_backend(group) == "nccl":
+                executor: Any = InlineExecutor(device)
+            else:
+                executor = ThreadExecutor()
+            entry = _EXECUTORS[id(group)] = (group, executor)
+        return entry[1]
+
+
+def run_ordered(job: Job, group: dist.ProcessGroup | None = None, device: torch.device | None = None):
+    """Run ``job`` through the group's executor and wait for it (blocking convenience)."""
+    return executor_for(group, device).submit(job).wait()

@@ -1,0 +1,46 @@
+"""1-bit compression kernels: one module per backend, all with the same five functions.
+
+* :mod:`~hf_onebit.kernels.reference`  plain torch, the definition (tests compare against it)
+* :mod:`~hf_onebit.kernels.cpu`        numba loops for CPU tensors (gloo users)
+* :mod:`~hf_onebit.kernels.triton`     Triton kernels for CUDA tensors
+
+:func:`get_backend` picks one by device; ``HF_ONEBIT_KERNELS=reference|cpu|triton`` overrides it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("reference", "cpu", "triton")
+_ENV = "HF_ONEBIT_KERNELS"
+
+
+def load_backend(name: str) -> ModuleType:
+    """Import backend ``name`` (one of :data:`BACKENDS`)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def get_backend(device: torch.device | str) -> ModuleType:
+    """The kernel module for tensors on ``device``.
+
+    CPU tensors use the numba path, CUDA tensors the Triton kernels. The environment variable
+    ``HF_ONEBIT_KERNELS`` forces a backend (e.g. ``reference`` to debug a suspected kernel bug).
+    """
+    forced = os.environ.get(_ENV)
+    if forced:
+        return load_backend(forced)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return load_backend("cpu")
+    if device.type == "cuda":
+        return load_backend("triton")
+    raise ValueError(
+        f"hf_onebit has no compression kernels for device type {device.type!r} (cpu and cuda are"
+        f" supported); set {_ENV}=reference to run the slow reference kernels on it"
+    )

@@ -1,0 +1,240 @@
+"""The compressed all-reduce against an independent single-process simulation of spec §1.
+
+The simulation below is written with numpy from the spec's text alone (it shares no code with
+``hf_onebit``): it pads, compresses each worker's buffer with error feedback, averages each
+chunk on its "server" with server error feedback, and concatenates the servers' chunks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_input(call: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * call + rank)
+    return (torch.randn(numel, generator=g) * (1 + rank)).to(dtype)
+
+
+# ---------------------------------------------------------------- independent simulation
+def _rms(y: np.ndarray) -> np.float32:
+    if y.size == 0:
+        return np.float32(0)
+    return np.float32(np.sqrt(np.sum(y.astype(np.float64) ** 2) / y.size))
+
+
+def _sign(y: np.ndarray) -> np.ndarray:
+    return np.where(y >= 0, np.float32(1), np.float32(-1)).astype(np.float32)
+
+
+class SpecSimulation:
+    """n workers and n servers of spec §1 in one process."""
+
+    def __init__(self, numel: int, n: int) -> None:
+        unit = 8 * n
+        self.n, self.numel = n, numel
+        self.L = -(-numel // unit) * unit
+        self.C = self.L // n
+        self.worker_error = [np.zeros(self.L, np.float32) for _ in range(n)]
+        self.server_error = [np.zeros(self.C, np.float32) for _ in range(n)]
+
+    def step(self, xs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        n, C = self.n, self.C
+        signs, scales, packed = [], [], []
+        for i, x in enumerate(xs):
+            y = np.zeros(self.L, np.float32)
+            y[: x.size] = x
+            y = y + self.worker_error[i]
+            s = _rms(y)
+            sg = _sign(y)
+            self.worker_error[i] = (y - s * sg).astype(np.float32)
+            signs.append(sg)
+            scales.append(s)
+            packed.append(np.packbits(y >= 0))
+        result = np.zeros(self.L, np.float32)
+        for j in range(n):
+            acc = np.zeros(C, np.float32)
+            for i in range(n):
+                acc = (acc + scales[i] * signs[i][j * C : (j + 1) * C]).astype(np.float32)
+            z = (acc / np.float32(n)).astype(np.float32) + self.server_error[j]
+            t = _rms(z)
+            sz = _sign(z)
+            self.server_error[j] = (z - t * sz).astype(np.float32)
+            result[j * C : (j + 1) * C] = t * sz
+        return result[: self.numel], packed
+
+
+# ---------------------------------------------------------------- the distributed side
+def _compress_calls(rank, world_size, numel, dtype_name, calls, kernels):
+    from hf_onebit.comm import CompressedAllReduce
+
+    dtype = DTYPES[dtype_name]
+    state = CompressedAllReduce(numel, kernels=kernels)
+    results = []
+    for call in range(calls):
+        x = make_input(call, rank, numel, dtype)
+        out = state.allreduce(x.clone())
+        results.append(out.float())
+    return {
+        "results": results,
+        "worker_error": state.worker_error.clone(),
+        "server_error": state.server_error.clone(),
+        "first_bits": None,
+        "stats": state.stats.snapshot().as_dict(),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("kernels", ["reference", "cpu"])
+def test_matches_spec_simulation_over_20_calls(world_size, kernels):
+    numel, calls = 1000, 20
+    outs = run_distributed(_compress_calls, world_size, numel, "fp32", calls, kernels)
+    sim = SpecSimulation(numel, world_size)
+    for call in range(calls):
+        xs = [make_input(call, r, numel, torch.float32).numpy() for r in range(world_size)]
+        expected, _ = sim.step(xs)
+        for r in range(world_size):
+            got = outs[r]["results"][call].numpy()
+            np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+            # every rank ends with a bitwise identical result
+            assert torch.equal(outs[r]["results"][call], outs[0]["results"][call])
+    for r in range(world_size):
+        np.testing.assert_allclose(outs[r]["worker_error"].numpy(), sim.worker_error[r], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(outs[r]["server_error"].numpy(), sim.server_error[r], rtol=1e-5, atol=1e-5)
+        # error feedback really ran: the errors are not zero
+        assert outs[r]["worker_error"].abs().sum() > 0
+
+
+def _lengths_and_dtypes(rank, world_size, cases):
+    from hf_onebit.comm import CompressedAllReduce
+
+    out = []
+    for numel, dtype_name in cases:
+        x = make_input(0, rank, numel, DTYPES[dtype_name])
+        state = CompressedAllReduce(numel)
+        y = state.allreduce(x.clone())
+        out.append((y.dtype, y.float()))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_lengths_and_dtypes(world_size):
+    cases = [(n, "fp32") for n in (0, 1, 7, 8, 9, 1000, 2**20 + 3)]
+    cases += [(1000, "bf16"), (1001, "fp16"), (2**20 + 3, "bf16")]
+    outs = run_distributed(_lengths_and_dtypes, world_size, cases)
+    for k, (numel, dtype_name) in enumerate(cases):
+        dtype = DTYPES[dtype_name]
+        sim = SpecSimulation(numel, world_size)
+        xs = [make_input(0, r, numel, dtype).float().numpy() for r in range(world_size)]
+        expected, _ = sim.step(xs)
+        expected = torch.from_numpy(expected).to(dtype).float()
+        for r in range(world_size):
+            got_dtype, got = outs[r][k]
+            assert got_dtype == dtype  # the result comes back in the input's dtype
+            assert got.shape == (numel,)
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+            assert torch.equal(got, outs[0][k][1])
+
+
+def _bits_on_the_wire(rank, world_size, numel):
+    """Packed worker bits of one call, captured from the state's send buffer."""
+    from hf_onebit.comm import CompressedAllReduce
+
+    state = CompressedAllReduce(numel)
+    state.allreduce(make_input(0, rank, numel, torch.float32))
+    return state._send_bits.clone(), state.bytes_per_call().as_dict()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_packed_bytes_and_wire_volume(world_size):
+    numel = 2**16 + 5
+    outs = run_distributed(_bits_on_the_wire, world_size, numel)
+    sim = SpecSimulation(numel, world_size)
+    _, packed = sim.step([make_input(0, r, numel, torch.float32).numpy() for r in range(world_size)])
+    for r in range(world_size):
+        bits, record = outs[r]
+        assert bits.numpy().tobytes() == packed[r].tobytes()
+        # spec: about 2·L/8 bytes plus scales per worker, against 2·4·L·(n-1)/n for fp32
+        n = world_size
+        assert record["rounds"] == 3
+        assert record["bytes_sent"] == (n - 1) * 4 + 2 * (n - 1) * (sim.C // 8) + (n - 1) * 4
+        assert record["compression_ratio"] > 25
+
+
+def _world_size_one(rank, world_size):
+    from hf_onebit.comm import CompressedAllReduce
+
+    x = torch.randn(101)
+    state = CompressedAllReduce(101, group=None)
+    y = state.allreduce(x)
+    return y is x and torch.equal(y, x)
+
+
+def test_world_size_one_returns_input_untouched():
+    assert run_distributed(_world_size_one, 1) == [True]
+
+
+def _non_finite(rank, world_size):
+    from hf_onebit.comm import CompressedAllReduce
+
+    numel = 999
+    state = CompressedAllReduce(numel)
+    state.allreduce(make_input(0, rank, numel, torch.float32))  # errors now non-zero
+    before = (state.worker_error.clone(), state.server_error.clone())
+    x = make_input(1, rank, numel, torch.float32)
+    if rank == 1:
+        x[17] = float("nan") if world_size == 2 else float("inf")
+    y = state.allreduce(x)
+    untouched = torch.equal(before[0], state.worker_error) and torch.equal(before[1], state.server_error)
+    # the next finite call proceeds normally
+    z = state.allreduce(make_input(2, rank, numel, torch.float32))
+    return untouched, bool(torch.isfinite(y).any()), bool(torch.isfinite(z).all()), z
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_non_finite_input_leaves_every_error_buffer_untouched(world_size):
+    outs = run_distributed(_non_finite, world_size)
+    for untouched, any_finite, next_finite, z in outs:
+        assert untouched, "a non-finite input on one rank changed an error buffer"
+        assert not any_finite, "a non-finite input must make the result non-finite on every rank"
+        assert next_finite
+        assert torch.equal(z, outs[0][3])
+
+
+def _many_in_flight(rank, world_size, sizes):
+    from hf_onebit.comm import CompressedAllReduce, MeanAllReduce
+
+    states = [CompressedAllReduce(n) for n in sizes]
+    mean = MeanAllReduce()
+    futures = []
+    for step in range(3):
+        for k, (state, n) in enumerate(zip(states, sizes)):
+            futures.append(state.allreduce_async(make_input(step * 10 + k, rank, n, torch.float32)))
+            if k == 1:  # full-precision calls interleave with compressed ones
+                futures.append(mean.allreduce_async(torch.full((5,), float(rank))))
+    return [f.wait().clone() for f in futures]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_several_buffers_in_flight(world_size):
+    sizes = [3000, 17, 2**18, 1000, 64]
+    outs = run_distributed(_many_in_flight, world_size, sizes, timeout=180)
+    sims = [SpecSimulation(n, world_size) for n in sizes]
+    k_out = 0
+    for step in range(3):
+        for k, n in enumerate(sizes):
+            xs = [make_input(step * 10 + k, r, n, torch.float32).numpy() for r in range(world_size)]
+            expected, _ = sims[k].step(xs)
+            for r in range(world_size):
+                np.testing.assert_allclose(outs[r][k_out].numpy(), expected, rtol=1e-5, atol=1e-6)
+            k_out += 1
+            if k == 1:
+                mean = sum(range(world_size)) / world_size
+                for r in range(world_size):
+                    assert torch.allclose(outs[r][k_out], torch.full((5,), mean))
+                k_out += 1
