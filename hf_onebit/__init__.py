@@ -1,3 +1,13 @@
-"""hf_onebit: communication-compressed optimizers for stock PyTorch DDP and Hugging Face."""
+"""hf_onebit: communication-compressed optimizers for stock PyTorch DDP and Hugging Face.
+
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-4, freeze_step=400)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    hf_onebit.attach(ddp, opt)
+"""
+
+from hf_onebit.hook import OneBitHookState, attach, onebit_hook
+from hf_onebit.optim import OneBitAdam, OneBitOptimizer, Plan
 
 __version__ = "0.1.0.dev0"
+
+__all__ = ["OneBitAdam", "OneBitHookState", "OneBitOptimizer", "Plan", "attach", "onebit_hook"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.simulation import SpecSimulation
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -19,54 +20,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def make_input(call: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * call + rank)
     return (torch.randn(numel, generator=g) * (1 + rank)).to(dtype)
-
-
-# ---------------------------------------------------------------- independent simulation
-def _rms(y: np.ndarray) -> np.float32:
-    if y.size == 0:
-        return np.float32(0)
-    return np.float32(np.sqrt(np.sum(y.astype(np.float64) ** 2) / y.size))
-
-
-def _sign(y: np.ndarray) -> np.ndarray:
-    return np.where(y >= 0, np.float32(1), np.float32(-1)).astype(np.float32)
-
-
-class SpecSimulation:
-    """n workers and n servers of spec §1 in one process."""
-
-    def __init__(self, numel: int, n: int) -> None:
-        unit = 8 * n
-        self.n, self.numel = n, numel
-        self.L = -(-numel // unit) * unit
-        self.C = self.L // n
-        self.worker_error = [np.zeros(self.L, np.float32) for _ in range(n)]
-        self.server_error = [np.zeros(self.C, np.float32) for _ in range(n)]
-
-    def step(self, xs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        n, C = self.n, self.C
-        signs, scales, packed = [], [], []
-        for i, x in enumerate(xs):
-            y = np.zeros(self.L, np.float32)
-            y[: x.size] = x
-            y = y + self.worker_error[i]
-            s = _rms(y)
-            sg = _sign(y)
-            self.worker_error[i] = (y - s * sg).astype(np.float32)
-            signs.append(sg)
-            scales.append(s)
-            packed.append(np.packbits(y >= 0))
-        result = np.zeros(self.L, np.float32)
-        for j in range(n):
-            acc = np.zeros(C, np.float32)
-            for i in range(n):
-                acc = (acc + scales[i] * signs[i][j * C : (j + 1) * C]).astype(np.float32)
-            z = (acc / np.float32(n)).astype(np.float32) + self.server_error[j]
-            t = _rms(z)
-            sz = _sign(z)
-            self.server_error[j] = (z - t * sz).astype(np.float32)
-            result[j * C : (j + 1) * C] = t * sz
-        return result[: self.numel], packed
 
 
 # ---------------------------------------------------------------- the distributed side

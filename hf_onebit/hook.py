@@ -1,0 +1,92 @@
+"""The DDP communication hook that lets an hf_onebit optimizer replace gradient sync.
+
+Usage (plain PyTorch)::
+
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-4, freeze_step=400)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    hf_onebit.attach(ddp, opt)
+
+DDP calls :func:`onebit_hook` once per gradient bucket as soon as the bucket's gradients are
+ready, while the rest of backward still runs. The hook asks the optimizer what this step needs
+(its *plan*: full all-reduce, 1-bit momentum, 1-bit gradient, nothing, 1-bit vote) and returns a
+future of the bucket's new contents, which DDP copies into ``.grad``. All of an optimizer's
+collectives go through one ordered executor per process group (:mod:`hf_onebit.comm.executor`),
+so several buckets in flight are issued in the same order on every rank.
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from hf_onebit.optim.base import OneBitOptimizer, logger
+
+
+@dataclass
+class OneBitHookState:
+    """What :func:`onebit_hook` needs: the optimizer, and the loss scaler if fp16 is used."""
+
+    optimizer: OneBitOptimizer
+    grad_scaler: Any = None  # torch.amp.GradScaler or None
+
+    def current_scale(self) -> Optional[torch.Tensor]:
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return scaler._scale if getattr(scaler, "_scale", None) is not None else None
+
+
+def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: run the optimizer's plan for this step on ``bucket``."""
+    return state.optimizer.reduce_bucket(bucket.parameters(), bucket.buffer(), bucket.gradients())
+
+
+def attach(
+    ddp_model: DistributedDataParallel,
+    optimizer: OneBitOptimizer,
+    grad_scaler: Any = None,
+) -> Optional[OneBitHookState]:
+    """Register the communication hook that pairs ``optimizer`` with ``ddp_model``.
+
+    Checks that both manage the same parameters and that nothing unsupported is in use. With a
+    world size of 1 nothing needs communicating: no hook is registered and the optimizer runs
+    uncompressed (logged once). DDP allows one hook per model, so call this once.
+
+    Args:
+        ddp_model: the model wrapped in :class:`~torch.nn.parallel.DistributedDataParallel`.
+        optimizer: an hf_onebit optimizer over the model's parameters.
+        grad_scaler: the ``torch.amp.GradScaler`` used for fp16 training, if any: the hook
+            unscales gradients before mixing them into optimizer state.
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"hf_onebit.attach needs a torch.nn.parallel.DistributedDataParallel model, got"
+            f" {type(ddp_model).__name__}. FSDP, DeepSpeed ZeRO and tensor/pipeline parallelism are"
+            " not supported: use plain DDP (or DeepSpeed<=0.19.6's own 1-bit optimizers with ZeRO-0)."
+        )
+    if not isinstance(optimizer, OneBitOptimizer):
+        raise TypeError(f"hf_onebit.attach needs an hf_onebit optimizer, got {type(optimizer).__name__}")
+    model_params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+    opt_params = optimizer.params_in_order()
+    opt_ids = {id(p) for p in opt_params}
+    missing = [n for n, p in ddp_model.module.named_parameters() if p.requires_grad and id(p) not in opt_ids]
+    if missing:
+        raise ValueError(
+            f"hf_onebit.attach: {len(missing)} trainable parameter(s) of the model are not in the"
+            f" optimizer (first: {missing[:3]}); the hook must see every bucket's parameters in the optimizer"
+        )
+    if len(opt_params) != len(model_params):
+        raise ValueError("hf_onebit.attach: the optimizer holds parameters that the DDP model does not train")
+    if any(p.is_sparse for p in opt_params):
+        raise ValueError("hf_onebit does not support sparse parameters or gradients")
+    optimizer.process_group = ddp_model.process_group
+    state = OneBitHookState(optimizer, grad_scaler)
+    optimizer.grad_scale = state.current_scale
+    if optimizer.world_size == 1:
+        logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
+        return None
+    ddp_model.register_comm_hook(state, onebit_hook)
+    return state

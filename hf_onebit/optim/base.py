@@ -1,0 +1,408 @@
+"""What the four optimizers share: the step plan, compression segments, per-rank state, stats.
+
+The contract between an optimizer and the DDP communication hook (:mod:`hf_onebit.hook`)
+---------------------------------------------------------------------------------------
+Before backward runs, the optimizer's counters already decide what the coming step needs from
+the network: its :meth:`OneBitOptimizer.plan`. DDP calls the hook once per gradient bucket
+while backward still runs; the hook hands the bucket to :meth:`OneBitOptimizer.reduce_bucket`,
+which executes the plan through :mod:`hf_onebit.comm` and returns a future of the tensor DDP
+writes into ``.grad``:
+
+================== ============================================ ===============================
+plan               communicated (in the hook, during backward)  ``.grad`` after the hook
+================== ============================================ ===============================
+ALLREDUCE          mean of the gradient, full precision         averaged gradient
+COMPRESS_MOMENTUM  local momentum ``β1·m + (1-β1)·g_i``, 1 bit  averaged momentum (synced)
+COMPRESS_GRADIENT  gradient, 1 bit with error feedback          averaged gradient (1-bit)
+LOCAL              nothing                                      local gradient of this rank
+SYNC_AFTER_STEP    nothing in the hook; ``step()`` syncs        local gradient of this rank
+VOTE               stochastic signs, 1 bit (BinSGDM)            mean of the signs
+================== ============================================ ===============================
+
+In every plan but LOCAL/SYNC_AFTER_STEP, ``.grad`` is bitwise identical on all ranks, so
+``clip_grad_norm_`` computes the same norm everywhere and scales the same values. What it
+scales differs by plan (documented in ``docs/algorithms.md``): in COMPRESS_MOMENTUM it is the
+momentum, which ``step()`` takes as the new momentum.
+
+Compression segments
+--------------------
+Error feedback needs state per compressed buffer. DDP's buckets are not stable: the first
+iteration after constructing DDP uses one bucket holding every parameter, later ones use
+buckets rebuilt in gradient-ready order. So compression state belongs to a *segment*, a tuple
+of parameter indices (the first DDP bucket layout that compression meets, saved and restored
+with the per-rank state). A bucket that equals a segment is compressed in place; a bucket that
+is a union of known segments (the one-bucket first iteration after a resume) is compressed
+segment by segment, so a resumed run issues exactly the same compressed calls as an
+uninterrupted one. A bucket that matches neither becomes a new segment.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce, MeanAllReduce, executor_for
+
+logger = logging.getLogger("hf_onebit")
+
+
+class Plan(str, enum.Enum):
+    """What one optimizer step needs from the network (see the module docstring)."""
+
+    ALLREDUCE = "allreduce"
+    COMPRESS_MOMENTUM = "compress_momentum"
+    COMPRESS_GRADIENT = "compress_gradient"
+    LOCAL = "local"
+    SYNC_AFTER_STEP = "sync_after_step"
+    VOTE = "vote"
+
+
+@dataclass
+class Segment:
+    """One compressed buffer: parameter indices, its error-feedback state and a work buffer."""
+
+    key: tuple[int, ...]
+    numel: int
+    comm: CompressedAllReduce
+    work: torch.Tensor  # fp32, ``numel`` elements, reused every call
+
+
+def _completed(value: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def check_betas(betas: Sequence[float], name: str = "betas") -> None:
+    for b in betas:
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{name} must lie in [0, 1), got {tuple(betas)}")
+
+
+def check_common(lr: float, eps: float, weight_decay: float) -> None:
+    if lr < 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if eps < 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if weight_decay < 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def check_nonneg_int(value: int, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+class OneBitOptimizer(torch.optim.Optimizer):
+    """Base class: a phase machine whose :meth:`plan` drives the communication hook.
+
+    Subclasses implement :meth:`plan`, :meth:`phase`, :meth:`step`, and for the compressed
+    plans :meth:`prepare_send` / :meth:`finish_receive` (what is sent for one parameter and what
+    lands in its ``.grad``). Global counters live in :meth:`global_state` and travel in
+    ``state_dict()["onebit"]``; per-rank state (error buffers, local accumulators) travels in
+    :meth:`rank_state_dict`.
+    """
+
+    #: Plans that need a compression segment.
+    _SEGMENT_PLANS = (Plan.COMPRESS_MOMENTUM, Plan.COMPRESS_GRADIENT)
+
+    def __init__(self, params, defaults: dict) -> None:
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.is_sparse:
+                    raise ValueError("hf_onebit optimizers do not support sparse parameters")
+        self.comm_stats = CommStats()
+        self.process_group: dist.ProcessGroup | None = None
+        self.grad_scale: Callable[[], torch.Tensor | None] | None = None
+        self.steps_done = 0  # optimizer steps completed (t of the last step)
+        self._segments: dict[tuple[int, ...], Segment] = {}
+        self._pending_rank_state: dict | None = None
+        self._synced_step: int | None = None  # step t whose communication the hook delivered
+        self._bucket_calls: dict[tuple[int, ...], int] = {}
+        self._last_phase: str | None = None
+        self._stats_at_last_step = CommRecord()
+        self.last_step_comm = CommRecord()
+
+    # ---------------------------------------------------------------- to implement
+    def plan(self) -> Plan:
+        """What the coming step (``t = steps_done + 1``) needs from the network."""
+        raise NotImplementedError
+
+    def phase(self) -> str:
+        """Human-readable name of the coming step's phase (logged at every change)."""
+        raise NotImplementedError
+
+    def prepare_send(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, inv_scale: float) -> None:
+        """Write the fp32 vector to communicate for parameter ``p`` into ``out`` (flat)."""
+        if plan is Plan.COMPRESS_GRADIENT:
+            if grad.dtype == torch.float32 and inv_scale == 1.0:
+                out.copy_(grad.reshape(-1))
+            else:
+                out.copy_(grad.reshape(-1)).mul_(inv_scale)
+            return
+        raise NotImplementedError(f"{type(self).__name__} does not prepare {plan.value}")
+
+    def finish_receive(self, plan: Plan, p: torch.Tensor, result: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
+        """Write what ``.grad`` of ``p`` holds after the hook, from the fp32 ``result`` (flat)."""
+        if scale == 1.0:
+            grad.reshape(-1).copy_(result)
+        else:
+            torch.mul(result, scale, out=grad.reshape(-1))
+
+    def global_state(self) -> dict:
+        """Counters identical on every rank (saved in ``state_dict()``); extend in subclasses."""
+        return {"steps_done": self.steps_done}
+
+    def load_global_state(self, state: dict) -> None:
+        self.steps_done = int(state["steps_done"])
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def world_size(self) -> int:
+        if not dist.is_initialized():
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group) if dist.is_initialized() else 0
+
+    def params_in_order(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _index_of(self) -> dict[int, int]:
+        cache = getattr(self, "_index_cache", None)
+        if cache is None or len(cache) != sum(len(g["params"]) for g in self.param_groups):
+            cache = {id(p): i for i, p in enumerate(self.params_in_order())}
+            self._index_cache = cache
+        return cache
+
+    def group_of(self, p: torch.Tensor) -> dict:
+        for group in self.param_groups:
+            for q in group["params"]:
+                if q is p:
+                    return group
+        raise KeyError("parameter is not managed by this optimizer")
+
+    def _group_map(self) -> dict[int, dict]:
+        cache = getattr(self, "_group_cache", None)
+        if cache is None:
+            cache = {id(p): g for g in self.param_groups for p in g["params"]}
+            self._group_cache = cache
+        return cache
+
+    # ---------------------------------------------------------------- segments
+    def _new_segment(self, key: tuple[int, ...], device: torch.device) -> Segment:
+        params = self.params_in_order()
+        numel = sum(params[i].numel() for i in key)
+        comm = CompressedAllReduce(numel, device=device, group=self.process_group, stats=self.comm_stats)
+        seg = Segment(key, numel, comm, torch.zeros(numel, dtype=torch.float32, device=device))
+        pending = (self._pending_rank_state or {}).get("segments", {}).pop(key, None)
+        if pending is not None:
+            comm.load_state_dict(pending)
+        for other in [k for k in self._segments if set(k) & set(key)]:
+            logger.debug("hf_onebit: segment %s replaced by a new bucket layout", other[:4])
+            del self._segments[other]
+        self._segments[key] = seg
+        return seg
+
+    def segments_for(self, key: tuple[int, ...], device: torch.device) -> list[Segment]:
+        """The segments that cover exactly the parameters ``key`` (a bucket), in a fixed order."""
+        if key in self._segments:
+            return [self._segments[key]]
+        wanted = set(key)
+        known = [s for s in self._segments.values() if set(s.key) <= wanted]
+        known_keys = self._pending_keys() if self._pending_rank_state else []
+        if not known and known_keys:
+            # Resume before any segment was built: materialise the saved ones this bucket covers.
+            for k in known_keys:
+                if set(k) <= wanted:
+                    known.append(self._new_segment(k, device))
+        covered = set().union(*(s.key for s in known)) if known else set()
+        if known and covered == wanted:
+            return sorted(known, key=lambda s: s.key)
+        return [self._new_segment(key, device)]
+
+    def _pending_keys(self) -> list[tuple[int, ...]]:
+        return list((self._pending_rank_state or {}).get("segments", {}).keys())
+
+    def segments_covering_all(self, device: torch.device, cap_numel: int = 25 * 2**20 // 4) -> list[Segment]:
+        """Segments covering every parameter (for communication in ``step()``, e.g. 0/1 Adam).
+
+        Existing segments are reused; parameters not yet in any segment are grouped, in
+        parameter order, into new segments of at most ``cap_numel`` elements.
+        """
+        params = self.params_in_order()
+        for k in self._pending_keys():
+            if k not in self._segments:
+                self._new_segment(k, device)
+        covered = set().union(*(s.key for s in self._segments.values())) if self._segments else set()
+        run: list[int] = []
+        size = 0
+        for i, p in enumerate(params):
+            if i in covered:
+                continue
+            if run and size + p.numel() > cap_numel:
+                self._new_segment(tuple(run), device)
+                run, size = [], 0
+            run.append(i)
+            size += p.numel()
+        if run:
+            self._new_segment(tuple(run), device)
+        return sorted(self._segments.values(), key=lambda s: s.key)
+
+    # ---------------------------------------------------------------- the hook's entry point
+    def reduce_bucket(self, params: list[torch.Tensor], buffer: torch.Tensor, grads: list[torch.Tensor]) -> torch.futures.Future:
+        """Run this step's plan on one DDP bucket; the future's value becomes the bucket's grads.
+
+        Called by :func:`hf_onebit.hook.onebit_hook` while backward runs.
+        """
+        t = self.steps_done + 1
+        plan = self.plan()
+        index = self._index_of()
+        key = tuple(index[id(p)] for p in params)
+        if self._bucket_calls.get(key) == t and plan is not Plan.ALLREDUCE:
+            raise RuntimeError(
+                "hf_onebit: the communication hook ran twice for the same bucket before optimizer.step()."
+                " For gradient accumulation wrap the non-final micro-batches in `ddp.no_sync()` (Accelerate:"
+                " `accelerator.accumulate(model)`, HF Trainer: --gradient_accumulation_steps), so the hook"
+                " fires once per optimizer step."
+            )
+        self._bucket_calls[key] = t
+        self._synced_step = t
+        if plan in (Plan.LOCAL, Plan.SYNC_AFTER_STEP):
+            return _completed(buffer)
+        executor = executor_for(self.process_group, buffer.device)
+        if plan is Plan.ALLREDUCE:
+            mean = MeanAllReduce(self.process_group, self.comm_stats)
+            return executor.submit(lambda: mean(buffer))
+        if plan in self._SEGMENT_PLANS:
+            segments = self.segments_for(key, buffer.device)
+            scale_t = self.grad_scale() if self.grad_scale is not None else None
+            job = lambda: self._compress_bucket(plan, segments, params, buffer, grads, scale_t)  # noqa: E731
+            return executor.submit(job)
+        return self.reduce_bucket_custom(plan, key, params, buffer, grads)
+
+    def reduce_bucket_custom(self, plan, key, params, buffer, grads) -> torch.futures.Future:
+        raise NotImplementedError(f"{type(self).__name__} has no bucket handler for plan {plan.value}")
+
+    def _compress_bucket(self, plan, segments, params, buffer, grads, scale_t) -> torch.Tensor:
+        """Runs on the communication thread: prepare, compress and finish each segment."""
+        scale = float(scale_t) if scale_t is not None else 1.0
+        inv = 1.0 / scale
+        position = {id(p): k for k, p in enumerate(params)}
+        all_params = self.params_in_order()
+        for seg in segments:
+            off = 0
+            views = []
+            for i in seg.key:
+                p = all_params[i]
+                g = grads[position[id(p)]]
+                n = p.numel()
+                self.prepare_send(plan, p, g, seg.work[off : off + n], inv)
+                views.append((p, g, off, n))
+                off += n
+            seg.comm(seg.work)
+            for p, g, off, n in views:
+                self.finish_receive(plan, p, seg.work[off : off + n], g, scale)
+        return buffer
+
+    # ---------------------------------------------------------------- after each step
+    def _after_step(self) -> None:
+        """Advance counters, record this step's traffic, log phase changes (rank 0)."""
+        self.steps_done += 1
+        total = self.comm_stats.snapshot()
+        prev = self._stats_at_last_step
+        self.last_step_comm = CommRecord(
+            total.bytes_sent - prev.bytes_sent,
+            total.bytes_received - prev.bytes_received,
+            total.rounds - prev.rounds,
+            total.fp32_equivalent - prev.fp32_equivalent,
+            total.calls - prev.calls,
+        )
+        self._stats_at_last_step = total
+        phase = self.phase()
+        if phase != self._last_phase:
+            if self._last_phase is not None and self.rank == 0:
+                logger.warning(
+                    "hf_onebit %s: step %d done, entering phase '%s' (plan %s) from step %d",
+                    type(self).__name__, self.steps_done, phase, self.plan().value, self.steps_done + 1,
+                )
+            self._last_phase = phase
+
+    def check_synced(self, t: int) -> bool:
+        """Whether the hook communicated for step ``t``; raise if it should have and did not."""
+        if self.world_size == 1:
+            return False
+        if self._synced_step != t:
+            raise RuntimeError(
+                f"hf_onebit: {type(self).__name__}.step() runs on {self.world_size} ranks but the"
+                " communication hook did not run for this step. Call"
+                " `hf_onebit.attach(ddp_model, optimizer)` after wrapping the model in"
+                " DistributedDataParallel (HF Trainer and Accelerate integrations do this for you)."
+            )
+        return True
+
+    def onebit_stats(self) -> dict:
+        """Cumulative and last-step communication figures, for logs and benchmarks."""
+        total = self.comm_stats.snapshot()
+        return {
+            "phase": self.phase(),
+            "step": self.steps_done,
+            "bytes_sent": total.bytes_sent,
+            "bytes_received": total.bytes_received,
+            "rounds": total.rounds,
+            "fp32_allreduce_bytes": total.fp32_equivalent,
+            "compression_ratio": total.compression_ratio,
+            "last_step_bytes_sent": self.last_step_comm.bytes_sent,
+            "last_step_rounds": self.last_step_comm.rounds,
+        }
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """Standard optimizer state plus the global counters; never communicates."""
+        sd = super().state_dict()
+        sd["onebit"] = self.global_state()
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        onebit = state_dict.pop("onebit", None)
+        super().load_state_dict(state_dict)
+        self._group_cache = None
+        if onebit is not None:
+            self.load_global_state(onebit)
+        self._last_phase = self.phase()
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own state: error buffers of every segment (plus subclass extras).
+
+        Contains only tensors, ints and tuples, so ``torch.load(..., weights_only=True)`` reads it.
+        """
+        segments = {k: s.comm.state_dict() for k, s in self._segments.items()}
+        if self._pending_rank_state:  # restored but not yet used: keep it
+            for k, v in self._pending_rank_state.get("segments", {}).items():
+                segments.setdefault(k, v)
+        return {
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "steps_done": self.steps_done,
+            "segments": segments,
+        }
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        """Restore :meth:`rank_state_dict` output; segments are rebuilt lazily as buckets arrive."""
+        if state["world_size"] != self.world_size:
+            raise ValueError(
+                f"per-rank compression state was saved with {state['world_size']} ranks, this run has"
+                f" {self.world_size}; see docs on resuming with another world size"
+            )
+        self._segments.clear()
+        self._pending_rank_state = {"segments": dict(state["segments"])}

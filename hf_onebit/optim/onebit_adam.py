@@ -1,0 +1,194 @@
+"""1-bit Adam (Tang et al., 2021): Adam warmup, then frozen variance and 1-bit momentum.
+
+Spec §2. During warmup (``t <= freeze_step``) every rank runs exact Adam on the gradient that
+the hook averaged at full precision; with ``bias_correction=True`` this is
+``torch.optim.AdamW`` step for step. The variance is then frozen: Adam with a fixed ``v`` is
+momentum SGD with a per-coordinate learning rate ``lr / (sqrt(v) + eps)``, which is linear in
+the gradients, so error-compensated 1-bit compression of the momentum converges like the
+uncompressed method. From step ``freeze_step + 1`` the hook computes each rank's local momentum
+``β1·m + (1-β1)·g_i`` and exchanges it with 1 bit per element; ``step()`` takes the averaged
+momentum (``.grad`` after the hook) as ``m`` and applies the Adam update with the frozen ``v``.
+
+Coordinates whose gradient was exactly zero on every warmup step (e.g. unused position
+embeddings) would otherwise receive ``±scale`` from the compressor forever: they are masked
+when compression starts (``auto_mask``), or by a mask given with :meth:`set_mask`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_nonneg_int, logger
+
+
+def adam_update_(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    lr: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction1: float,
+    bias_correction2: float,
+) -> None:
+    """``p -= lr·(m̂/(sqrt(v̂)+eps) + wd·p)`` in AdamW's operation order (the functional core)."""
+    if weight_decay:
+        p.mul_(1 - lr * weight_decay)
+    denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    if p.dtype == torch.float32:
+        p.addcdiv_(m, denom, value=-lr / bias_correction1)
+    else:  # low-precision parameters: compute the update in fp32, round once
+        p.copy_(p.float().addcdiv_(m, denom, value=-lr / bias_correction1))
+
+
+class OneBitAdam(OneBitOptimizer):
+    """1-bit Adam for DDP (attach it with :func:`hf_onebit.attach`).
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (schedulers may change it every step).
+        betas: ``(β1, β2)``.
+        eps: added to ``sqrt(v̂)``.
+        weight_decay: decoupled weight decay (AdamW style).
+        freeze_step: last step of the uncompressed warmup; the variance is frozen after it.
+            Published guidance: 15-25% of the run (BERT-Large: 23k of ~150k; SQuAD: 400).
+        bias_correction: apply Adam's bias corrections (the variance correction is frozen at
+            ``freeze_step`` too). ``False`` reproduces DeepSpeed's trajectories.
+        auto_mask: mask coordinates whose averaged gradient was exactly zero on every warmup step.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        auto_mask: bool = True,
+    ) -> None:
+        check_common(lr, eps, weight_decay)
+        check_betas(betas)
+        check_nonneg_int(freeze_step, "freeze_step")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults)
+        self.freeze_step = freeze_step
+        self.auto_mask = auto_mask
+
+    # ---------------------------------------------------------------- phase machine
+    def plan(self) -> Plan:
+        return Plan.ALLREDUCE if self.steps_done + 1 <= self.freeze_step else Plan.COMPRESS_MOMENTUM
+
+    def phase(self) -> str:
+        return "warmup" if self.steps_done + 1 <= self.freeze_step else "compression"
+
+    def global_state(self) -> dict:
+        return {**super().global_state(), "freeze_step": self.freeze_step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch casts floating-point-parameter state to the parameter's dtype: restore the flags
+        for state in self.state.values():
+            if "nonzero" in state:
+                state["nonzero"] = state["nonzero"].bool()
+
+    # ---------------------------------------------------------------- masks
+    def set_mask(self, p: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Override the compression mask of ``p`` (1 = keep, 0 = force the momentum to zero).
+
+        ``None`` removes any mask. An explicit mask is never replaced by ``auto_mask``.
+        """
+        state = self.state[p]
+        if mask is None:
+            state.pop("mask", None)
+        else:
+            if mask.shape != p.shape:
+                raise ValueError(f"mask shape {tuple(mask.shape)} does not match parameter shape {tuple(p.shape)}")
+            state["mask"] = mask.to(device=p.device, dtype=torch.float32)
+        state["mask_explicit"] = True
+        state.pop("nonzero", None)
+
+    def _freeze_masks(self) -> None:
+        """At the end of warmup: turn "gradient was never non-zero" into masks (auto_mask)."""
+        masked = 0
+        for p in self.params_in_order():
+            state = self.state.get(p, {})
+            nonzero = state.pop("nonzero", None)
+            if nonzero is None or state.get("mask_explicit") or not self.auto_mask:
+                continue
+            if not bool(nonzero.all()):
+                state["mask"] = nonzero.to(torch.float32)
+                masked += int((~nonzero).sum())
+        if masked and self.rank == 0:
+            logger.warning("hf_onebit: masking %d coordinates whose gradient was zero on every warmup step", masked)
+
+    # ---------------------------------------------------------------- the hook side
+    def prepare_send(self, plan, p, grad, out, inv_scale) -> None:
+        if plan is not Plan.COMPRESS_MOMENTUM:
+            return super().prepare_send(plan, p, grad, out, inv_scale)
+        beta1 = self._group_map()[id(p)]["betas"][0]
+        m = self.state[p]["exp_avg"].reshape(-1)
+        g = grad.reshape(-1)
+        if g.dtype == torch.float32 and inv_scale == 1.0:
+            torch.mul(g, 1 - beta1, out=out)
+        else:
+            out.copy_(g).mul_((1 - beta1) * inv_scale)
+        out.add_(m, alpha=beta1)
+
+    # ---------------------------------------------------------------- step
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            if self.auto_mask and not state.get("mask_explicit"):
+                state["nonzero"] = torch.zeros_like(p, dtype=torch.bool)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.steps_done + 1
+        plan = self.plan()
+        synced = self.check_synced(t) if plan is Plan.COMPRESS_MOMENTUM else False
+        if plan is Plan.COMPRESS_MOMENTUM and t == self.freeze_step + 1:
+            self._freeze_masks()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("hf_onebit optimizers do not support sparse gradients")
+                state = self._init_state(p)
+                grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                if plan is Plan.ALLREDUCE:
+                    m.lerp_(grad, 1 - beta1)
+                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    if "nonzero" in state:
+                        state["nonzero"].logical_or_(grad != 0)
+                elif synced:  # the hook delivered the averaged momentum in .grad
+                    m.copy_(grad)
+                else:  # one process: the momentum is local and exact
+                    m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                if plan is Plan.COMPRESS_MOMENTUM and "mask" in state:
+                    m.mul_(state["mask"])
+                if group["bias_correction"]:
+                    bc1 = 1 - beta1**t
+                    bc2 = 1 - beta2 ** min(t, max(self.freeze_step, 1))
+                else:
+                    bc1 = bc2 = 1.0
+                adam_update_(
+                    p, m, v, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
+                    bias_correction1=bc1, bias_correction2=bc2,
+                )
+        self._after_step()
+        return loss

@@ -1,0 +1,82 @@
+"""A model whose gradients are chosen by the test, trained under DDP with an hf_onebit optimizer.
+
+``loss = Σ_k (p_k · c_k).sum()`` has gradient ``c_k`` for parameter ``k``, so every rank's
+gradient at every step is fixed in advance (``fixed_grads``) and a single-process simulation
+can be fed exactly the same numbers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+SHAPES = [(64, 40), (3000,), (7,), (1000,), (33, 3)]
+
+
+class FixedGradModel(torch.nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES])
+
+    def forward(self, coeffs):
+        return sum((p * c).sum() for p, c in zip(self.ps, coeffs))
+
+
+def fixed_grads(step: int, rank: int) -> list[torch.Tensor]:
+    """Gradient of every parameter on ``rank`` at ``step`` (1-based); rank-dependent and varied."""
+    g = torch.Generator().manual_seed(7919 * step + 104729 * (rank + 1))
+    out = []
+    for k, s in enumerate(SHAPES):
+        c = torch.randn(s, generator=g) * (0.5 + rank) * (1 + 0.3 * k)
+        if k == 1:  # an "unused embedding row": always exactly zero on every rank
+            c[:50] = 0
+        out.append(c)
+    return out
+
+
+def build_optimizer(name: str, params, kwargs: dict):
+    import hf_onebit
+
+    return getattr(hf_onebit, name)(params, **kwargs)
+
+
+def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=None, resume_dir=None,
+          bucket_cap_mb=0.01, start_step=0):
+    """Train for ``steps`` steps; return the parameters after every step and some stats.
+
+    With ``save_dir``/``save_at`` the optimizer, model and per-rank state are saved after step
+    ``save_at``; with ``resume_dir`` they are loaded before training continues at ``start_step``.
+    """
+    import hf_onebit
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    opt = build_optimizer(opt_name, model.parameters(), opt_kwargs)
+    if resume_dir is not None:
+        model.load_state_dict(torch.load(os.path.join(resume_dir, "model.pt"), weights_only=True))
+        opt.load_state_dict(torch.load(os.path.join(resume_dir, "optimizer.pt"), weights_only=True))
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    hf_onebit.attach(ddp, opt)
+    if resume_dir is not None:
+        path = os.path.join(resume_dir, f"rank{rank}.pt")
+        opt.load_rank_state_dict(torch.load(path, weights_only=True))
+    history = []
+    for step in range(start_step + 1, start_step + steps + 1):
+        coeffs = fixed_grads(step, rank)
+        loss = ddp(coeffs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        history.append([p.detach().clone() for p in model.parameters()])
+        if save_dir is not None and step == save_at:
+            if rank == 0:
+                torch.save(model.state_dict(), os.path.join(save_dir, "model.pt"))
+                torch.save(opt.state_dict(), os.path.join(save_dir, "optimizer.pt"))
+            torch.save(opt.rank_state_dict(), os.path.join(save_dir, f"rank{rank}.pt"))
+            dist.barrier()
+    segments = sorted(opt._segments)
+    return {"history": history, "segments": segments, "stats": opt.onebit_stats()}

@@ -1,0 +1,107 @@
+"""Independent single-process simulations of the spec (``shared/spec/algorithms.md``).
+
+Written with numpy from the spec's text alone; they share no code with ``hf_onebit``, so the
+package is checked against a second reading of the spec rather than against itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+def _rms(y: np.ndarray) -> np.float32:
+    if y.size == 0:
+        return np.float32(0)
+    return np.float32(np.sqrt(np.sum(y.astype(np.float64) ** 2) / y.size))
+
+
+def _sign(y: np.ndarray) -> np.ndarray:
+    return np.where(y >= 0, np.float32(1), np.float32(-1)).astype(np.float32)
+
+
+class SpecSimulation:
+    """n workers and n servers of spec §1 in one process."""
+
+    def __init__(self, numel: int, n: int) -> None:
+        unit = 8 * n
+        self.n, self.numel = n, numel
+        self.L = -(-numel // unit) * unit
+        self.C = self.L // n
+        self.worker_error = [np.zeros(self.L, np.float32) for _ in range(n)]
+        self.server_error = [np.zeros(self.C, np.float32) for _ in range(n)]
+
+    def step(self, xs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        n, C = self.n, self.C
+        signs, scales, packed = [], [], []
+        for i, x in enumerate(xs):
+            y = np.zeros(self.L, np.float32)
+            y[: x.size] = x
+            y = y + self.worker_error[i]
+            s = _rms(y)
+            sg = _sign(y)
+            self.worker_error[i] = (y - s * sg).astype(np.float32)
+            signs.append(sg)
+            scales.append(s)
+            packed.append(np.packbits(y >= 0))
+        result = np.zeros(self.L, np.float32)
+        for j in range(n):
+            acc = np.zeros(C, np.float32)
+            for i in range(n):
+                acc = (acc + scales[i] * signs[i][j * C : (j + 1) * C]).astype(np.float32)
+            z = (acc / np.float32(n)).astype(np.float32) + self.server_error[j]
+            t = _rms(z)
+            sz = _sign(z)
+            self.server_error[j] = (z - t * sz).astype(np.float32)
+            result[j * C : (j + 1) * C] = t * sz
+        return result[: self.numel], packed
+
+
+
+
+# ---------------------------------------------------------------- 1-bit Adam (spec §2)
+class OneBitAdamSimulation:
+    """n ranks of 1-bit Adam, one compressed buffer per segment (a list of parameter indices)."""
+
+    def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
+                 freeze_step=10, bias_correction=True, auto_mask=True):
+        self.auto_mask = auto_mask
+        self.p = [np.array(x, np.float32) for x in params]
+        self.m = [np.zeros_like(x) for x in self.p]
+        self.v = [np.zeros_like(x) for x in self.p]
+        self.seen = [np.zeros(x.shape, bool) for x in self.p]  # averaged gradient ever non-zero
+        self.n, self.segments = n, segments
+        self.comm = {tuple(s): SpecSimulation(sum(self.p[i].size for i in s), n) for s in segments}
+        self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, wd
+        self.F, self.bc, self.t = freeze_step, bias_correction, 0
+
+    def step(self, grads):  # grads[rank][param]
+        self.t += 1
+        t, b1, b2 = self.t, np.float32(self.b1), np.float32(self.b2)
+        if t <= self.F:
+            for k in range(len(self.p)):
+                g = np.mean([grads[r][k] for r in range(self.n)], axis=0).astype(np.float32)
+                self.m[k] = (b1 * self.m[k] + (1 - b1) * g).astype(np.float32)
+                self.v[k] = (b2 * self.v[k] + (1 - b2) * g * g).astype(np.float32)
+                self.seen[k] |= g != 0
+        else:
+            for seg in self.segments:
+                local = [np.concatenate([(b1 * self.m[k] + (1 - b1) * grads[r][k]).ravel() for k in seg])
+                         for r in range(self.n)]
+                avg, _ = self.comm[tuple(seg)].step(local)
+                off = 0
+                for k in seg:
+                    size = self.p[k].size
+                    self.m[k] = avg[off: off + size].reshape(self.p[k].shape)
+                    if self.auto_mask:  # spec §2 "Mask": never-updated coordinates stay at zero
+                        self.m[k] = self.m[k] * self.seen[k]
+                    off += size
+        for k in range(len(self.p)):
+            if self.bc:
+                bc1 = 1 - self.b1 ** t
+                bc2 = 1 - self.b2 ** min(t, self.F)
+            else:
+                bc1 = bc2 = 1.0
+            m_hat = self.m[k] / bc1
+            v_hat = self.v[k] / bc2
+            update = m_hat / (np.sqrt(v_hat) + self.eps) + self.wd * self.p[k]
+            self.p[k] = (self.p[k] - self.lr * update).astype(np.float32)
+        return [x.copy() for x in self.p]
