@@ -39,6 +39,12 @@ def fixed_grads(step: int, rank: int) -> list[torch.Tensor]:
 
 
 def build_optimizer(name: str, params, kwargs: dict):
+    """``name`` is a class exported by ``hf_onebit`` or ``"module.path:ClassName"``."""
+    import importlib
+
+    if ":" in name:
+        module, cls = name.split(":")
+        return getattr(importlib.import_module(module), cls)(params, **kwargs)
     import hf_onebit
 
     return getattr(hf_onebit, name)(params, **kwargs)
