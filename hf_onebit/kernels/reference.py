@@ -142,4 +142,4 @@ def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -
     ``bits`` has shape ``(n, C // 8)``: row ``j`` is chunk ``j`` of the result.
     """
     values = unpack_signs(bits) * scales.reshape(-1, 1).to(torch.float32)
-    out.reshape(-1).copy_(values.reshape(-1)[: out.numel()])
+    out.copy_(values.reshape(-1)[: out.numel()].view(out.shape))
