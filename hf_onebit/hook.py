@@ -80,11 +80,15 @@ def attach(
         )
     if len(opt_params) != len(model_params):
         raise ValueError("hf_onebit.attach: the optimizer holds parameters that the DDP model does not train")
-    if any(p.is_sparse for p in opt_params):
-        raise ValueError("hf_onebit does not support sparse parameters or gradients")
+    sparse = [n or type(m).__name__ for n, m in ddp_model.module.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse or any(p.is_sparse for p in opt_params):
+        raise ValueError(
+            f"hf_onebit does not support sparse gradients (modules with sparse=True: {sparse[:3]}): build"
+            " the embedding with sparse=False, or keep it out of DDP"
+        )
     optimizer.process_group = ddp_model.process_group
     state = OneBitHookState(optimizer, grad_scaler)
-    optimizer.grad_scale = state.current_scale
+    optimizer.grad_scale = state.current_scale if grad_scaler is not None else None
     if optimizer.world_size == 1:
         logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
         return None

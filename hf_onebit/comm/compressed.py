@@ -61,6 +61,11 @@ class CompressedAllReduce:
         kernels: kernel backend name (``"reference"``, ``"cpu"``, ``"triton"``) or module;
             default: by device.
         stats: counters to record into (default: a fresh :class:`CommStats`).
+        deferred_commit: write the new error buffers into spare copies and make them current
+            only on :meth:`commit`. With a loss scaler an optimizer step may be skipped *after*
+            the hook already compressed some buckets; deferring keeps every error buffer
+            bitwise untouched by a skipped step, at the cost of one extra copy of each buffer
+            per call and twice the error memory.
     """
 
     def __init__(
@@ -70,8 +75,11 @@ class CompressedAllReduce:
         group: dist.ProcessGroup | None = None,
         kernels: str | ModuleType | None = None,
         stats: CommStats | None = None,
+        deferred_commit: bool = False,
     ) -> None:
         self.numel = int(numel)
+        self.deferred_commit = deferred_commit
+        self._uncommitted = False
         self.device = torch.device(device)
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -100,6 +108,9 @@ class CompressedAllReduce:
         else:
             self.worker_error = torch.zeros(0, **f32)
             self.server_error = torch.zeros(0, **f32)
+        if deferred_commit:
+            self._next_worker_error = torch.zeros_like(self.worker_error)
+            self._next_server_error = torch.zeros_like(self.server_error)
 
     # ------------------------------------------------------------------ the algorithm
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,18 +128,23 @@ class CompressedAllReduce:
             return out
         x = x.reshape(-1)
         k, n, group = self.kernels, self.world_size, self.group
+        worker_error, server_error = self.worker_error, self.server_error
+        if self.deferred_commit:  # compute into spare copies; commit() makes them current
+            worker_error = self._next_worker_error.copy_(self.worker_error)
+            server_error = self._next_server_error.copy_(self.server_error)
+            self._uncommitted = True
 
         # Round 1: worker scales. Every rank learns every rank's scale (and its finiteness).
-        own = k.worker_scale(x, self.worker_error).reshape(1)
+        own = k.worker_scale(x, worker_error).reshape(1)
         _all_gather(self._scales, own, group=group)
-        k.worker_pack(x, self.worker_error, self._scales, self.rank, self._send_bits)
+        k.worker_pack(x, worker_error, self._scales, self.rank, self._send_bits)
 
         # Round 2: chunk j of every rank's signs goes to rank j.
         dist.all_to_all_single(self._recv_bits, self._send_bits, group=group)
         recv = self._recv_bits.view(n, self.chunk // 8)
-        t = k.server_scale(recv, self._scales, self.server_error)
+        t = k.server_scale(recv, self._scales, server_error)
         self._payload[:4].view(torch.float32).copy_(t.reshape(1))
-        k.server_pack(recv, self._scales, self.server_error, t, self._payload[4:])
+        k.server_pack(recv, self._scales, server_error, t, self._payload[4:])
 
         # Round 3: every server's scale and signs go to every rank.
         _all_gather(self._gathered, self._payload, group=group)
@@ -185,6 +201,17 @@ class CompressedAllReduce:
             )
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])
+
+    def commit(self) -> None:
+        """Make the errors of the last call current (only needed with ``deferred_commit``)."""
+        if self.deferred_commit and self._uncommitted:
+            self.worker_error, self._next_worker_error = self._next_worker_error, self.worker_error
+            self.server_error, self._next_server_error = self._next_server_error, self.server_error
+            self._uncommitted = False
+
+    def discard(self) -> None:
+        """Forget the errors of the last call (a skipped step); the committed ones stay."""
+        self._uncommitted = False
 
     def reset(self) -> None:
         """Zero both error buffers (0/1 Adam does this when it enters its local-step phase)."""

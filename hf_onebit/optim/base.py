@@ -79,6 +79,12 @@ def _completed(value: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
+def _failed(exc: BaseException) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_exception(exc)
+    return fut
+
+
 def check_betas(betas: Sequence[float], name: str = "betas") -> None:
     for b in betas:
         if not 0.0 <= b < 1.0:
@@ -202,7 +208,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def _new_segment(self, key: tuple[int, ...], device: torch.device) -> Segment:
         params = self.params_in_order()
         numel = sum(params[i].numel() for i in key)
-        comm = CompressedAllReduce(numel, device=device, group=self.process_group, stats=self.comm_stats)
+        comm = CompressedAllReduce(
+            numel, device=device, group=self.process_group, stats=self.comm_stats,
+            deferred_commit=self.grad_scale is not None,  # a loss scaler may skip the step
+        )
         seg = Segment(key, numel, comm, torch.zeros(numel, dtype=torch.float32, device=device))
         pending = (self._pending_rank_state or {}).get("segments", {}).pop(key, None)
         if pending is not None:
@@ -268,13 +277,16 @@ class OneBitOptimizer(torch.optim.Optimizer):
         plan = self.plan()
         index = self._index_of()
         key = tuple(index[id(p)] for p in params)
-        if self._bucket_calls.get(key) == t and plan is not Plan.ALLREDUCE:
-            raise RuntimeError(
+        if self._bucket_calls.get(key) == t and plan is not Plan.ALLREDUCE and self.grad_scale is None:
+            # (With a loss scaler a repeat is legitimate: the scaler skipped step t, and the
+            # deferred error buffers of the skipped attempt were never committed.)
+            # Fail through the future: an exception raised inside a DDP hook kills the process.
+            return _failed(RuntimeError(
                 "hf_onebit: the communication hook ran twice for the same bucket before optimizer.step()."
                 " For gradient accumulation wrap the non-final micro-batches in `ddp.no_sync()` (Accelerate:"
                 " `accelerator.accumulate(model)`, HF Trainer: --gradient_accumulation_steps), so the hook"
                 " fires once per optimizer step."
-            )
+            ))
         self._bucket_calls[key] = t
         self._synced_step = t
         if plan in (Plan.LOCAL, Plan.SYNC_AFTER_STEP):
@@ -316,7 +328,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- after each step
     def _after_step(self) -> None:
-        """Advance counters, record this step's traffic, log phase changes (rank 0)."""
+        """Commit this step's error buffers, advance counters, record traffic, log phase changes."""
+        for seg in self._segments.values():
+            seg.comm.commit()
         self.steps_done += 1
         total = self.comm_stats.snapshot()
         prev = self._stats_at_last_step

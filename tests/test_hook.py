@@ -1,0 +1,210 @@
+"""The DDP hook's contract: loss scaling, accumulation, clipping, autocast, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.distributed import run_distributed
+from tests.optim.harness import FixedGradModel, fixed_grads
+
+
+def _grad_scaler_skip(rank, world_size, bad_step):
+    import hf_onebit
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    hf_onebit.attach(ddp, opt, grad_scaler=scaler)
+    report = []
+    for step in range(1, 9):
+        coeffs = fixed_grads(step, rank)
+        if step == bad_step and rank == 1:
+            coeffs[3][5] = float("inf")  # one bucket only, one rank only
+        before = opt.rank_state_dict()
+        params_before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(ddp(coeffs)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        after = opt.rank_state_dict()
+        errors_same = all(
+            torch.equal(before["segments"][k]["worker_error"], after["segments"][k]["worker_error"])
+            and torch.equal(before["segments"][k]["server_error"], after["segments"][k]["server_error"])
+            for k in before["segments"]
+        )
+        params_same = all(torch.equal(a, b) for a, b in zip(params_before, model.parameters()))
+        report.append({
+            "step": step, "steps_done": opt.steps_done, "errors_same": errors_same, "params_same": params_same,
+            "n_segments": len(before["segments"]), "params": [p.detach().clone() for p in model.parameters()],
+        })
+    return report
+
+
+@pytest.mark.parametrize("bad_step", [2, 6])  # warmup (full all-reduce), compression (1 bit)
+def test_grad_scaler_skips_everywhere_and_leaves_error_buffers_untouched(bad_step):
+    outs = run_distributed(_grad_scaler_skip, 2, bad_step)
+    for r in range(2):
+        rows = {row["step"]: row for row in outs[r]}
+        bad = rows[bad_step]
+        assert bad["params_same"], "the step with a non-finite gradient must be skipped"
+        assert bad["steps_done"] == rows[bad_step - 1]["steps_done"] if bad_step > 1 else 0
+        if bad["n_segments"]:
+            assert bad["errors_same"], "a skipped step changed an error buffer"
+        # the next good step proceeds
+        assert not rows[bad_step + 1]["params_same"]
+        assert rows[8]["steps_done"] == 7
+        for row in outs[r]:
+            for a, b in zip(row["params"], outs[0][row["step"] - 1]["params"]):
+                assert torch.equal(a, b)
+    # compression really ran after the skipped step
+    assert outs[0][-1]["n_segments"] > 0
+
+
+def _accumulation(rank, world_size, misuse):
+    import hf_onebit
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    hf_onebit.attach(ddp, opt)
+    calls = []
+    original = opt.reduce_bucket
+
+    def counting(*args, **kwargs):
+        calls.append(opt.steps_done + 1)
+        return original(*args, **kwargs)
+
+    opt.reduce_bucket = counting
+    for step in range(1, 6):
+        micro = [fixed_grads(10 * step + k, rank) for k in range(3)]
+        for k, coeffs in enumerate(micro):
+            if misuse or k == len(micro) - 1:
+                ddp(coeffs).backward()
+            else:
+                with ddp.no_sync():
+                    ddp(coeffs).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return calls, [p.detach().clone() for p in model.parameters()]
+
+
+def test_accumulation_with_no_sync_fires_the_hook_once_per_step():
+    outs = run_distributed(_accumulation, 2, False)
+    calls, params = outs[0]
+    steps = sorted(set(calls))
+    assert steps == [1, 2, 3, 4, 5]
+    per_step = [calls.count(s) for s in steps]
+    assert per_step[0] == 1  # DDP's first iteration: one bucket with every parameter
+    assert len(set(per_step[1:])) == 1  # later: once per (rebuilt) bucket, never per micro-batch
+    assert all(torch.equal(a, b) for a, b in zip(params, outs[1][1]))
+
+
+def test_accumulation_without_no_sync_is_refused_in_compression():
+    with pytest.raises(AssertionError, match="no_sync"):
+        run_distributed(_accumulation, 2, True)
+
+
+def _clip_and_autocast(rank, world_size):
+    import hf_onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    ddp = DDP(model)
+    hf_onebit.attach(ddp, opt)
+    g = torch.Generator().manual_seed(rank)
+    norms, losses = [], []
+    for step in range(6):
+        x = torch.randn(8, 16, generator=g)
+        y = torch.randint(0, 4, (8,), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return norms, [p.detach().clone() for p in model.parameters()], opt.onebit_stats()["phase"]
+
+
+def test_clip_grad_norm_sees_the_same_values_on_every_rank_under_bf16_autocast():
+    outs = run_distributed(_clip_and_autocast, 2)
+    assert outs[0][2] == "compression"
+    assert outs[0][0] == outs[1][0], "clip_grad_norm_ must compute the same norm on every rank"
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
+    assert all(torch.isfinite(p).all() for p in outs[0][1])
+
+
+def _attach_refusals(rank, world_size):
+    import hf_onebit
+
+    model = torch.nn.Linear(4, 4)
+    other = torch.nn.Linear(4, 4)
+    messages = []
+    for make in (
+        lambda: hf_onebit.attach(model, hf_onebit.OneBitAdam(model.parameters())),
+        lambda: hf_onebit.attach(DDP(model), torch.optim.AdamW(model.parameters())),
+        lambda: hf_onebit.attach(DDP(model), hf_onebit.OneBitAdam(other.parameters())),
+    ):
+        try:
+            make()
+            messages.append(None)
+        except (TypeError, ValueError) as exc:
+            messages.append(str(exc))
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    try:
+        hf_onebit.attach(DDP(emb), hf_onebit.OneBitAdam(emb.parameters()))
+        messages.append(None)
+    except ValueError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def test_attach_refuses_what_it_cannot_serve():
+    msgs = run_distributed(_attach_refusals, 2)[0]
+    assert "DistributedDataParallel" in msgs[0] and "FSDP" in msgs[0]
+    assert "hf_onebit optimizer" in msgs[1]
+    assert "not in the optimizer" in msgs[2]
+    assert msgs[3] is not None and "sparse" in msgs[3]
+
+
+def test_bad_hyperparameters_fail_at_construction():
+    import hf_onebit
+
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    for kwargs, word in [({"lr": -1}, "lr"), ({"betas": (1.0, 0.9)}, "betas"), ({"betas": (0.9, -0.1)}, "betas"),
+                         ({"freeze_step": -5}, "freeze_step"), ({"eps": -1e-8}, "eps"),
+                         ({"weight_decay": -0.1}, "weight_decay")]:
+        with pytest.raises(ValueError, match=word):
+            hf_onebit.OneBitAdam(p, **kwargs)
+
+
+def test_world_size_one_runs_uncompressed_adam_with_frozen_variance():
+    """One process, no DDP: warmup is AdamW, then Adam with the variance frozen, exactly."""
+    import hf_onebit
+
+    torch.manual_seed(0)
+    a, b = FixedGradModel(), FixedGradModel()
+    opt = hf_onebit.OneBitAdam(a.parameters(), lr=1e-2, freeze_step=4, auto_mask=False)
+    m = [torch.zeros_like(p) for p in b.parameters()]
+    v = [torch.zeros_like(p) for p in b.parameters()]
+    for t in range(1, 11):
+        grads = fixed_grads(t, 0)
+        for p, g in zip(a.parameters(), grads):
+            p.grad = g.clone()
+        opt.step()
+        with torch.no_grad():
+            for k, (p, g) in enumerate(zip(b.parameters(), grads)):
+                m[k] = 0.9 * m[k] + 0.1 * g
+                if t <= 4:
+                    v[k] = 0.999 * v[k] + 0.001 * g * g
+                vhat = v[k] / (1 - 0.999 ** min(t, 4))
+                p -= 1e-2 * (m[k] / (1 - 0.9**t)) / (vhat.sqrt() + 1e-8)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    assert opt.comm_stats.snapshot().bytes_sent == 0
