@@ -6,8 +6,18 @@
 """
 
 from hf_onebit.hook import OneBitHookState, attach, onebit_hook
-from hf_onebit.optim import OneBitAdam, OneBitOptimizer, Plan
+from hf_onebit.optim import BinSGDM, OneBitAdam, OneBitLamb, OneBitOptimizer, Plan, ZeroOneAdam
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["OneBitAdam", "OneBitHookState", "OneBitOptimizer", "Plan", "attach", "onebit_hook"]
+__all__ = [
+    "BinSGDM",
+    "OneBitAdam",
+    "OneBitHookState",
+    "OneBitLamb",
+    "OneBitOptimizer",
+    "Plan",
+    "ZeroOneAdam",
+    "attach",
+    "onebit_hook",
+]

@@ -40,9 +40,8 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,7 +69,19 @@ class Segment:
     key: tuple[int, ...]
     numel: int
     comm: CompressedAllReduce
-    work: torch.Tensor  # fp32, ``numel`` elements, reused every call
+    device: torch.device
+    _work: torch.Tensor | None = None
+
+    @property
+    def work(self) -> torch.Tensor:
+        """fp32 buffer of ``numel`` elements, allocated on first use and reused.
+
+        Not needed when a bucket *is* the segment and holds fp32: then the bucket's own buffer
+        is compressed in place (the common case, which saves 4 bytes per parameter).
+        """
+        if self._work is None:
+            self._work = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        return self._work
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:
@@ -98,6 +109,11 @@ def check_common(lr: float, eps: float, weight_decay: float) -> None:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if weight_decay < 0.0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def check_positive_int(value: int, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def check_nonneg_int(value: int, name: str) -> None:
@@ -132,6 +148,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._pending_rank_state: dict | None = None
         self._synced_step: int | None = None  # step t whose communication the hook delivered
         self._bucket_calls: dict[tuple[int, ...], int] = {}
+        self._layout_step: int | None = None
+        self._layout: list[tuple[int, ...]] = []
         self._last_phase: str | None = None
         self._stats_at_last_step = CommRecord()
         self.last_step_comm = CommRecord()
@@ -156,8 +174,13 @@ class OneBitOptimizer(torch.optim.Optimizer):
         raise NotImplementedError(f"{type(self).__name__} does not prepare {plan.value}")
 
     def finish_receive(self, plan: Plan, p: torch.Tensor, result: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
-        """Write what ``.grad`` of ``p`` holds after the hook, from the fp32 ``result`` (flat)."""
+        """Write what ``.grad`` of ``p`` holds after the hook, from the fp32 ``result`` (flat).
+
+        ``result`` may be ``grad`` itself (a bucket compressed in place): keep this alias-safe.
+        """
         if scale == 1.0:
+            if result.data_ptr() == grad.data_ptr():
+                return
             grad.reshape(-1).copy_(result)
         else:
             torch.mul(result, scale, out=grad.reshape(-1))
@@ -212,7 +235,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
             numel, device=device, group=self.process_group, stats=self.comm_stats,
             deferred_commit=self.grad_scale is not None,  # a loss scaler may skip the step
         )
-        seg = Segment(key, numel, comm, torch.zeros(numel, dtype=torch.float32, device=device))
+        seg = Segment(key, numel, comm, torch.device(device))
         pending = (self._pending_rank_state or {}).get("segments", {}).pop(key, None)
         if pending is not None:
             comm.load_state_dict(pending)
@@ -289,6 +312,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
             ))
         self._bucket_calls[key] = t
         self._synced_step = t
+        if self._layout_step != t:  # remember this step's bucket layout (saved per rank)
+            self._layout_step, self._layout = t, []
+        self._layout.append(key)
         if plan in (Plan.LOCAL, Plan.SYNC_AFTER_STEP):
             return _completed(buffer)
         executor = executor_for(self.process_group, buffer.device)
@@ -311,6 +337,19 @@ class OneBitOptimizer(torch.optim.Optimizer):
         inv = 1.0 / scale
         position = {id(p): k for k, p in enumerate(params)}
         all_params = self.params_in_order()
+        seg0 = segments[0]
+        in_place = (
+            len(segments) == 1 and buffer.dtype == torch.float32 and seg0.numel == buffer.numel()
+            and len(seg0.key) == len(params) and all(all_params[i] is p for i, p in zip(seg0.key, params))
+        )
+        if in_place:
+            # The bucket is the segment: prepare, compress and finish in the bucket's own buffer.
+            for p, g in zip(params, grads):
+                self.prepare_send(plan, p, g, g.reshape(-1), inv)
+            segments[0].comm(buffer)
+            for p, g in zip(params, grads):
+                self.finish_receive(plan, p, g.reshape(-1), g, scale)
+            return buffer
         for seg in segments:
             off = 0
             views = []
@@ -387,10 +426,22 @@ class OneBitOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """As in torch, but state keeps the dtype it was saved with.
+
+        torch casts floating-point state to the parameter's dtype; hf_onebit keeps moments and
+        errors in fp32 (and flags as bool) whatever the model's dtype, so undo that cast.
+        """
         state_dict = dict(state_dict)
         onebit = state_dict.pop("onebit", None)
+        saved_state = state_dict["state"]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
+        for saved_id, p in zip(saved_ids, self.params_in_order()):
+            for key, value in (saved_state.get(saved_id) or {}).items():
+                if isinstance(value, torch.Tensor):
+                    self.state[p][key] = value.to(device=p.device, copy=True)
         self._group_cache = None
+        self._index_cache = None
         if onebit is not None:
             self.load_global_state(onebit)
         self._last_phase = self.phase()
@@ -409,6 +460,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
             "rank": self.rank,
             "steps_done": self.steps_done,
             "segments": segments,
+            # The last bucket layout DDP used: a run resumed before compression started (e.g.
+            # exactly at freeze_step) splits DDP's one-bucket first iteration along it, as the
+            # uninterrupted run's buckets were.
+            "layout": list(self._layout),
         }
 
     def load_rank_state_dict(self, state: dict) -> None:
@@ -419,4 +474,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 f" {self.world_size}; see docs on resuming with another world size"
             )
         self._segments.clear()
-        self._pending_rank_state = {"segments": dict(state["segments"])}
+        pending: dict = dict(state["segments"])
+        for key in state.get("layout", []):
+            pending.setdefault(tuple(key), None)  # a layout without error state yet
+        self._pending_rank_state = {"segments": pending}

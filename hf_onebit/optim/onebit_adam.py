@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_nonneg_int, logger
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_nonneg_int
+from hf_onebit.optim.masks import ZeroGradientMasks
 
 
 def adam_update_(
@@ -44,7 +45,7 @@ def adam_update_(
         p.copy_(p.float().addcdiv_(m, denom, value=-lr / bias_correction1))
 
 
-class OneBitAdam(OneBitOptimizer):
+class OneBitAdam(ZeroGradientMasks, OneBitOptimizer):
     """1-bit Adam for DDP (attach it with :func:`hf_onebit.attach`).
 
     Args:
@@ -89,43 +90,6 @@ class OneBitAdam(OneBitOptimizer):
     def global_state(self) -> dict:
         return {**super().global_state(), "freeze_step": self.freeze_step}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        # torch casts floating-point-parameter state to the parameter's dtype: restore the flags
-        for state in self.state.values():
-            if "nonzero" in state:
-                state["nonzero"] = state["nonzero"].bool()
-
-    # ---------------------------------------------------------------- masks
-    def set_mask(self, p: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Override the compression mask of ``p`` (1 = keep, 0 = force the momentum to zero).
-
-        ``None`` removes any mask. An explicit mask is never replaced by ``auto_mask``.
-        """
-        state = self.state[p]
-        if mask is None:
-            state.pop("mask", None)
-        else:
-            if mask.shape != p.shape:
-                raise ValueError(f"mask shape {tuple(mask.shape)} does not match parameter shape {tuple(p.shape)}")
-            state["mask"] = mask.to(device=p.device, dtype=torch.float32)
-        state["mask_explicit"] = True
-        state.pop("nonzero", None)
-
-    def _freeze_masks(self) -> None:
-        """At the end of warmup: turn "gradient was never non-zero" into masks (auto_mask)."""
-        masked = 0
-        for p in self.params_in_order():
-            state = self.state.get(p, {})
-            nonzero = state.pop("nonzero", None)
-            if nonzero is None or state.get("mask_explicit") or not self.auto_mask:
-                continue
-            if not bool(nonzero.all()):
-                state["mask"] = nonzero.to(torch.float32)
-                masked += int((~nonzero).sum())
-        if masked and self.rank == 0:
-            logger.warning("hf_onebit: masking %d coordinates whose gradient was zero on every warmup step", masked)
-
     # ---------------------------------------------------------------- the hook side
     def prepare_send(self, plan, p, grad, out, inv_scale) -> None:
         if plan is not Plan.COMPRESS_MOMENTUM:
@@ -145,8 +109,7 @@ class OneBitAdam(OneBitOptimizer):
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            if self.auto_mask and not state.get("mask_explicit"):
-                state["nonzero"] = torch.zeros_like(p, dtype=torch.bool)
+            self.init_mask_tracking(p, state)
         return state
 
     @torch.no_grad()
@@ -159,7 +122,7 @@ class OneBitAdam(OneBitOptimizer):
         plan = self.plan()
         synced = self.check_synced(t) if plan is Plan.COMPRESS_MOMENTUM else False
         if plan is Plan.COMPRESS_MOMENTUM and t == self.freeze_step + 1:
-            self._freeze_masks()
+            self.freeze_masks()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -173,8 +136,7 @@ class OneBitAdam(OneBitOptimizer):
                 if plan is Plan.ALLREDUCE:
                     m.lerp_(grad, 1 - beta1)
                     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    if "nonzero" in state:
-                        state["nonzero"].logical_or_(grad != 0)
+                    self.track_nonzero(state, grad)
                 elif synced:  # the hook delivered the averaged momentum in .grad
                     m.copy_(grad)
                 else:  # one process: the momentum is local and exact

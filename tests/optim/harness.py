@@ -51,11 +51,13 @@ def build_optimizer(name: str, params, kwargs: dict):
 
 
 def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=None, resume_dir=None,
-          bucket_cap_mb=0.01, start_step=0):
+          bucket_cap_mb=0.01, start_step=0, record_steps=False):
     """Train for ``steps`` steps; return the parameters after every step and some stats.
 
     With ``save_dir``/``save_at`` the optimizer, model and per-rank state are saved after step
     ``save_at``; with ``resume_dir`` they are loaded before training continues at ``start_step``.
+    With ``record_steps`` the result also holds ``"steps"``: for every step its plan and the
+    traffic it caused (``opt.last_step_comm``).
     """
     import hf_onebit
 
@@ -71,13 +73,17 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
         path = os.path.join(resume_dir, f"rank{rank}.pt")
         opt.load_rank_state_dict(torch.load(path, weights_only=True))
     history = []
+    per_step = []
     for step in range(start_step + 1, start_step + steps + 1):
+        plan = opt.plan().value if record_steps else None
         coeffs = fixed_grads(step, rank)
         loss = ddp(coeffs)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         history.append([p.detach().clone() for p in model.parameters()])
+        if record_steps:
+            per_step.append({"plan": plan, **opt.last_step_comm.as_dict()})
         if save_dir is not None and step == save_at:
             if rank == 0:
                 torch.save(model.state_dict(), os.path.join(save_dir, "model.pt"))
@@ -85,4 +91,7 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
             torch.save(opt.rank_state_dict(), os.path.join(save_dir, f"rank{rank}.pt"))
             dist.barrier()
     segments = sorted(opt._segments)
-    return {"history": history, "segments": segments, "stats": opt.onebit_stats()}
+    out = {"history": history, "segments": segments, "stats": opt.onebit_stats()}
+    if record_steps:
+        out["steps"] = per_step
+    return out

@@ -73,7 +73,7 @@ def test_auto_mask_keeps_never_updated_coordinates_still():
     assert not torch.equal(final[1][50:], init[1][50:].detach())
 
 
-@pytest.mark.parametrize("save_at", [3, 8])  # inside warmup, inside compression
+@pytest.mark.parametrize("save_at", [3, 5, 8])  # in warmup, exactly at the freeze, in compression
 def test_resume_continues_bitwise(tmp_path, save_at):
     kwargs = dict(lr=1e-2, freeze_step=5)
     full = run_distributed(train, 2, "OneBitAdam", kwargs, 12, str(tmp_path), save_at)

@@ -1,0 +1,711 @@
+"""BinSGDM / Birder (Peng et al., ICLR 2023 submission / NeurIPS 2023): unbiased 1-bit votes.
+
+Spec §5. Every rank keeps its *own* momentum of the gradient and of its magnitude,
+
+    m_i = β·m_i + (1-β)·g_i          b_i = β·b_i + (1-β)·|g_i|          (fp32, per rank)
+
+and sends one stochastic bit per coordinate, ``q_i = +1`` with probability ``(1 + z)/2``
+where ``z = m_i / (b_i + eps)``, else ``-1``. Every rank receives every bit, averages the votes
+``q̄ = mean_i q_i`` and takes the step ``p = p - lr·(q̄ + wd·p)``.
+
+Why no warmup and no error feedback
+-----------------------------------
+Because ``|m_i| <= b_i`` elementwise (triangle inequality: ``m`` and ``b`` are the same
+exponential average of ``g`` and ``|g|``), ``z`` lies in ``[-1, 1]`` and is a valid
+probability parameter, and ``E[q_i] = (1+z)/2 - (1-z)/2 = z``: the quantizer is *unbiased*.
+The averaged vote is then an unbiased estimate of ``mean_i m_i/(b_i+eps)``, an Adam-like
+normalised momentum (``b`` plays the role of ``sqrt(v)``; bias corrections cancel in the
+ratio, so none is applied). 1-bit Adam needs error feedback because ``sign`` is biased, and
+error feedback needs a linear optimizer, hence its frozen-variance warmup; an unbiased
+quantizer needs neither, so BinSGDM compresses from step 1.
+
+The price is variance: ``Var[q_i] = 1 - z²`` per coordinate, so
+``Var[q̄] = (1/n²)·Σ_i (1 - z_i²)``, largest exactly where the momentum is uncertain
+(``z ≈ 0``), and shrinking like ``1/n``. The step size of every coordinate is bounded by ``lr``
+(``|q̄| <= 1``), as in signSGD. A coordinate whose gradient is exactly zero on every rank has
+``z = 0`` and performs an unbiased ``±lr`` random walk (variance ``lr²/n`` per step) rather
+than staying still; weight decay pulls it back. The paper's optional AMSGrad-style
+``b = max(b_prev, b)`` is (as the paper says) a device of the proof and is not implemented.
+
+Phase table row (see :mod:`hf_onebit.optim.base`)
+-------------------------------------------------
+===== ========================================= ========================== ====================
+plan  sent (in the hook, during backward)       bytes sent per rank/bucket ``.grad`` after hook
+===== ========================================= ========================== ====================
+VOTE  flat: all-gather of 1 bit per element     ``(n-1)·(4 + N/8)``        ``q̄ = mean_i q_i``
+      plus a 4-byte fp32 validity flag                                     (``·scale`` with a
+      hierarchical (``k`` ranks per node,       intra ``(k-1)·(4 + N/8)``  GradScaler), the
+      ``M = n/k`` nodes): 1-bit all-gather      inter ``(M-1)·(4+N/(8k))`` same on every rank
+      inside the node, one stochastic bit per   intra ``(k-1)·M·N/(8k)``
+      node, 1-bit all-gather between nodes
+===== ========================================= ========================== ====================
+
+(``N`` = bucket elements padded to a multiple of 8, or ``8k`` hierarchically.) ``.grad``
+holds the vote average ``q̄`` in the gradient's dtype; its values are multiples of ``1/n``
+(``1/M`` hierarchically) in ``[-1, 1]``, bitwise identical on every rank, so
+``clip_grad_norm_`` sees the same norm everywhere (and rescales the vote, i.e. the step).
+``step()`` takes ``.grad`` as ``q̄``. With one process nothing is communicated: ``step()``
+draws the local vote itself (the algorithm with ``n = 1``; the same random stream that rank 0
+would use under DDP).
+
+Scaling, honestly. An all-gather of bits sends ``(n-1)·N/8`` bytes per rank, growing with
+``n``; an fp32 ring all-reduce sends ``2·(n-1)/n·4N ≈ 8N``, independent of ``n``. So the flat
+vote beats fp32 only for ``n < ~64`` (and 1-bit Adam's compressed all-reduce, ``≈ N/4``
+bytes, for ``n < ~3``). Its advantages are elsewhere: one round per bucket, no error buffers,
+no warmup, trivial compute. The hierarchical exchange divides the ``n`` of the expensive
+(inter-node) part by the node size: each node sends ``(M-1)·N/8`` bytes between nodes
+(1 bit per element per node, spread over its ``k`` ranks, which use their NICs in parallel),
+so with 8 GPUs per node the crossover moves from 64 ranks to 64 *nodes*.
+
+Hierarchical exchange
+---------------------
+With ``LOCAL_WORLD_SIZE = k`` (``node = rank // k``, ``local = rank % k``):
+
+1. intra-node all-gather of ``[flag | bits]``: every rank of the node sums the ``k`` votes
+   (exact small integers) into the node mean ``μ ∈ [-1, 1]``;
+2. every rank of the node binarises ``μ`` with the *node's* random stream (seeded by the
+   node, so all ranks of a node draw the same numbers and get the same node bits without a
+   broadcast): ``+1`` with probability ``(1+μ)/2``, unbiased because ``E[μ] = mean z``;
+3. local rank ``j`` of every node all-gathers slice ``j`` of the node bits with local rank
+   ``j`` of the other nodes (``k`` inter-node groups work in parallel; each node sends its
+   ``N`` bits exactly once);
+4. intra-node all-gather of the gathered slices; every rank decodes the same ``M × N`` bits
+   and averages them in node order: ``q̄ = mean over nodes``, identical on every rank.
+
+The extra binarisation adds variance: ``Var[node bit] = 1 - μ̄²`` (``μ̄`` = the node's mean
+``z``), so ``Var[q̄] = (1/M²)·Σ_nodes (1 - μ̄²)``, the flat variance of ``M`` ranks.
+The subgroups are created once (every rank calls ``new_group`` for every subgroup in the same
+order) inside the first vote job, and all collectives of a bucket run inside one job of the
+process group's ordered executor, so the three rounds of several buckets never interleave.
+
+Random streams (bitwise resume, layout independence)
+----------------------------------------------------
+Draws are *counter-based*: the uniforms for parameter ``idx`` (its position in the
+optimizer's parameter order) at step ``t`` come from Philox-4x64 (numpy) with key
+``(seed, stream)`` and counter ``[0, 0, idx, t]``; ``stream`` is the rank for worker votes and
+``2**32 + node`` for node votes. They depend on nothing else, so they do not change when DDP
+rebuilds its buckets (the first iteration after a resume uses another layout than the
+uninterrupted run), when buckets complete in another order, or when a step is skipped and
+retried; a resumed run draws exactly the numbers the uninterrupted run draws, with no
+generator state to save. ``u < (1+z)/2`` with ``u`` a multiple of ``2**-24`` is unbiased up
+to ``2**-24``. CUDA tensors use torch's CUDA Philox generator seeded with a 64-bit mix of the
+same four numbers (other numbers than on CPU, same properties).
+
+Non-finite gradients and skipped steps
+--------------------------------------
+Each rank prefixes its bits with an fp32 flag, NaN if its new ``b`` is not finite (a
+non-finite gradient, or a state corrupted earlier). If any flag is NaN the result is NaN on
+every rank, so ``GradScaler`` skips the step on every rank. The new ``m, b`` are written into
+pending buffers by the hook and committed by ``step()``; a step that never happens leaves
+``m, b`` untouched, and the retried hook (same step ``t``, same random numbers) recomputes
+them from the new gradient.
+
+State
+-----
+``m`` and ``b`` differ on every rank: they live in ``optimizer.state[p]`` as ``"momentum"`` and
+``"abs_momentum"`` but are *not* in ``state_dict()`` (which holds only what every rank shares:
+the step counter and the seed); they travel in :meth:`BinSGDM.rank_state_dict`. Resuming
+without the per-rank state restarts ``m, b`` from zero (a warning says so).
+
+Memory: 16 bytes per parameter of fp32 state (``m``, ``b`` and their pending copies; the commit
+is a swap, not a copy) plus about 9 bytes per bucket element of reusable work buffers
+(13 for bf16/fp16 buckets).
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hf_onebit.comm import CommRecord, CommStats, allreduce_bytes, executor_for
+from hf_onebit.kernels import get_backend
+from hf_onebit.optim.base import (
+    OneBitOptimizer,
+    Plan,
+    check_betas,
+    check_common,
+    logger,
+)
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_NODE_STREAM = 1 << 32  # node streams: 2**32 + node (worker streams are the rank)
+_MASK64 = (1 << 64) - 1
+_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class VoteStream:
+    """Counter-based uniforms in ``[0, 1)`` for one stream: ``(seed, stream, step, index)``.
+
+    CPU: Philox-4x64 with key ``(seed, stream)`` and counter ``[0, 0, index, step]`` (numpy),
+    i.e. ``np.random.Generator(np.random.Philox(key=..., counter=...)).random(n, float32)``.
+    Other devices: torch's generator for the device seeded with a 64-bit mix of the four.
+    """
+
+    def __init__(self, seed: int, stream: int) -> None:
+        self.seed = int(seed)
+        self.stream = int(stream)
+        self._key = np.array([self.seed, self.stream], dtype=np.uint64)
+        self._bitgen = np.random.Philox(key=self._key)
+        self._gen = np.random.Generator(self._bitgen)
+        self._torch_gens: dict[torch.device, torch.Generator] = {}
+
+    def uniform_(self, out: torch.Tensor, step: int, index: int) -> torch.Tensor:
+        """Fill the contiguous fp32 tensor ``out`` with the draws of ``(step, index)``."""
+        if out.device.type == "cpu":
+            self._bitgen.state = {
+                "bit_generator": "Philox",
+                "state": {"counter": np.array([0, 0, index, step], dtype=np.uint64), "key": self._key},
+                "buffer": np.zeros(4, dtype=np.uint64),
+                "buffer_pos": 4,
+                "has_uint32": 0,
+                "uinteger": 0,
+            }
+            self._gen.random(out=out.numpy(), dtype=np.float32)
+            return out
+        gen = self._torch_gens.get(out.device)
+        if gen is None:
+            gen = self._torch_gens[out.device] = torch.Generator(device=out.device)
+        mixed = _splitmix64(_splitmix64(_splitmix64(self.seed ^ _splitmix64(self.stream)) ^ step) ^ index)
+        gen.manual_seed(mixed)
+        return torch.rand(out.shape, generator=gen, out=out)
+
+
+def vote_threshold_(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
+                    m_out: torch.Tensor, b_out: torch.Tensor, theta: torch.Tensor, tmp: torch.Tensor) -> None:
+    """The worker math of one parameter (flat fp32 views), the functional core.
+
+    ``m_out = β·m + (1-β)·g``, ``b_out = β·b + (1-β)·|g|``, ``theta = (1 + m_out/(b_out+eps))/2``,
+    the probability of a ``+1`` vote. Every operation is rounded on its own (no fused
+    multiply-add), so a plain float32 re-implementation reproduces it bitwise.
+    """
+    torch.mul(g, 1.0 - beta, out=tmp)
+    torch.mul(m, beta, out=m_out)
+    m_out.add_(tmp)
+    torch.abs(g, out=tmp)
+    tmp.mul_(1.0 - beta)
+    torch.mul(b, beta, out=b_out)
+    b_out.add_(tmp)
+    torch.add(b_out, eps, out=theta)
+    torch.div(m_out, theta, out=theta)
+    if eps == 0.0:  # 0/0 where the coordinate never had a gradient: z = 0 (|m| <= b = 0)
+        theta.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+    theta.add_(1.0).mul_(0.5)
+
+
+def vote_update_(p: torch.Tensor, q: torch.Tensor, *, lr: float, weight_decay: float) -> None:
+    """``p = p·(1 - lr·wd) - lr·q`` (decoupled decay, AdamW order), fp32 math, one rounding."""
+    work = p if p.dtype == torch.float32 else p.float()
+    if weight_decay:
+        work.mul_(1.0 - lr * weight_decay)
+    work.sub_(torch.mul(q.float() if q.dtype != torch.float32 else q, lr))
+    if work is not p:
+        p.copy_(work)
+
+
+def _pack_votes(votes: torch.Tensor, out: torch.Tensor, use_numpy: bool | None = None) -> None:
+    """Pack a bool vector (length multiple of 8) into ``out`` (uint8), MSB first, 1 = +1.
+
+    The layout of :func:`hf_onebit.kernels.reference.pack_signs`; CPU tensors go through
+    ``numpy.packbits`` (one vectorised pass), others through torch.
+    """
+    if use_numpy is None:
+        use_numpy = votes.device.type == "cpu"
+    if use_numpy:
+        out.numpy()[:] = np.packbits(votes.numpy())
+        return
+    w = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=votes.device)
+    out.copy_((votes.view(-1, 8).to(torch.uint8) * w).sum(dim=1, dtype=torch.uint8))
+
+
+@dataclass
+class _Item:
+    index: int  # position in the optimizer's parameter order (names the random stream)
+    param: torch.Tensor
+    offset: int
+    numel: int
+
+
+@dataclass
+class _Layout:
+    """Work buffers of one DDP bucket (reused every step)."""
+
+    key: tuple[int, ...]
+    items: list[_Item]
+    numel: int
+    padded: int  # multiple of 8 (flat) or 8·k (hierarchical)
+    theta: torch.Tensor  # fp32 [padded], P(+1); zero in the padding
+    uniform: torch.Tensor  # fp32 [numel]: scratch of the worker math, then the draws
+    votes: torch.Tensor  # bool [padded]; False in the padding
+    scratch: torch.Tensor | None = None  # fp32 [numel], only for bf16/fp16 buckets
+
+
+@dataclass
+class _Topology:
+    hierarchical: bool
+    local_size: int = 1  # k
+    nodes: int = 1  # M
+    node: int = 0
+    local_rank: int = 0
+    node_group: object = None
+    inter_group: object = None
+
+
+class BinSGDM(OneBitOptimizer):
+    """BinSGDM (Birder) for DDP: stochastic 1-bit votes of ``m/b``, no warmup, no error feedback.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate; every coordinate moves by at most ``lr·(1 + wd·|p|)`` per step.
+        beta: the momentum coefficient of both ``m`` and ``b`` (one coefficient: the ratio
+            ``m/b`` is only in ``[-1, 1]`` if both use the same one; there is no ``betas``).
+        eps: added to ``b`` in ``z = m/(b + eps)``.
+        weight_decay: decoupled weight decay.
+        hierarchical: ``True``: node-level binarisation and 1-bit exchange between nodes
+            (needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
+            group to be the whole world); ``False``: flat all-gather; ``None`` (default):
+            hierarchical exactly when those conditions hold.
+        seed: seed of the random votes (together with the rank, the node, the step and the
+            parameter index, see the module docstring). Saved in ``state_dict()`` and restored
+            from it, so a resumed run continues the same random streams.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        beta: float = 0.9,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        hierarchical: bool | None = None,
+        seed: int = 0,
+    ) -> None:
+        for name, value in (("lr", lr), ("beta", beta), ("eps", eps), ("weight_decay", weight_decay)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(
+                    f"BinSGDM: {name} must be a real number, got {value!r}"
+                    + (" (BinSGDM has a single momentum coefficient `beta`, not `betas`)" if name == "beta" else "")
+                )
+        check_common(lr, eps, weight_decay)
+        check_betas((beta,), "beta")
+        if hierarchical is not None and not isinstance(hierarchical, bool):
+            raise TypeError(f"BinSGDM: hierarchical must be True, False or None (auto), got {hierarchical!r}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) <= _MASK64:
+            raise ValueError(f"BinSGDM: seed must be an integer in [0, 2**64), got {seed!r}")
+        defaults = dict(lr=float(lr), beta=float(beta), eps=float(eps), weight_decay=float(weight_decay))
+        super().__init__(params, defaults)
+        self.hierarchical = hierarchical
+        self.seed = int(seed)
+        #: Traffic between nodes only (hierarchical mode), counted like ``comm_stats``.
+        self.inter_node_stats = CommStats()
+        self._topo: _Topology | None = None
+        self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self._next: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # idx -> pending (m, b)
+        self._pending_t: dict[int, int] = {}  # idx -> step whose pending (m, b) the hook wrote
+        self._attempts: dict[tuple[int, ...], int] = {}  # bucket -> attempt number of its last call
+        self._nan_attempts: dict[int, set[int]] = {}  # step -> attempts with a non-finite vote
+        self._streams: dict[int, VoteStream] = {}
+        self._loaded_vote_state: dict | None = None
+        self._warned_fresh = False
+        if hierarchical and dist.is_initialized():
+            self._check_topology(dist.get_world_size(), None, explicit=True)
+
+    # ---------------------------------------------------------------- phase machine
+    def plan(self) -> Plan:
+        return Plan.VOTE if self.world_size > 1 else Plan.LOCAL
+
+    def phase(self) -> str:
+        return "vote" if self.world_size > 1 else "local"
+
+    def global_state(self) -> dict:
+        return {**super().global_state(), "seed": self.seed}
+
+    def load_global_state(self, state: dict) -> None:
+        super().load_global_state(state)
+        if "seed" in state:
+            self.seed = int(state["seed"])
+            self._streams.clear()
+
+    # ---------------------------------------------------------------- topology
+    def _check_topology(self, n: int, group, explicit: bool) -> _Topology | None:
+        """The hierarchical layout if it applies; ``None`` (auto) or ValueError (explicit) if not."""
+        raw = os.environ.get("LOCAL_WORLD_SIZE")
+        problem = None
+        k = 0
+        if raw is None:
+            problem = "LOCAL_WORLD_SIZE is not set (torchrun and accelerate set it)"
+        else:
+            try:
+                k = int(raw)
+            except ValueError:
+                problem = f"LOCAL_WORLD_SIZE={raw!r} is not an integer"
+        if problem is None and not 1 < k < n:
+            problem = f"it needs 1 < LOCAL_WORLD_SIZE < world size, got LOCAL_WORLD_SIZE={k}, world size {n}"
+        if problem is None and n % k:
+            problem = f"LOCAL_WORLD_SIZE={k} does not divide the world size {n} (nodes must be equal)"
+        if problem is None and dist.is_initialized() and (
+            dist.get_world_size() != n or (group is not None and dist.get_process_group_ranks(group) != list(range(n)))
+        ):
+            problem = "the DDP process group is not the whole world (ranks 0..n-1 in order)"
+        if problem is not None:
+            if explicit:
+                raise ValueError(f"BinSGDM(hierarchical=True): {problem}")
+            return None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return _Topology(True, k, n // k, rank // k, rank % k)
+
+    def _topology(self) -> _Topology:
+        if self._topo is None:
+            n = self.world_size
+            topo = None
+            if self.hierarchical is not False and n > 1:
+                topo = self._check_topology(n, self.process_group, explicit=bool(self.hierarchical))
+            self._topo = topo or _Topology(False)
+            if self._topo.hierarchical and self.rank == 0:
+                logger.info("hf_onebit BinSGDM: hierarchical votes, %d nodes of %d ranks",
+                            self._topo.nodes, self._topo.local_size)
+        return self._topo
+
+    def _create_groups(self, topo: _Topology) -> None:
+        """Every rank creates every subgroup, in the same order (runs inside the first job)."""
+        k, nodes = topo.local_size, topo.nodes
+        for node in range(nodes):
+            g = dist.new_group([node * k + j for j in range(k)])
+            if node == topo.node:
+                topo.node_group = g
+        for j in range(k):
+            g = dist.new_group([node * k + j for node in range(nodes)])
+            if j == topo.local_rank:
+                topo.inter_group = g
+
+    def _stream(self, stream: int) -> VoteStream:
+        s = self._streams.get(stream)
+        if s is None or s.seed != self.seed:
+            s = self._streams[stream] = VoteStream(self.seed, stream)
+        return s
+
+    # ---------------------------------------------------------------- state
+    def _materialize(self, idx: int, p: torch.Tensor) -> dict:
+        """``m, b`` of parameter ``idx`` (restored from per-rank state, or zeros) and pending buffers."""
+        state = self.state[p]
+        loaded = self._loaded_vote_state
+        if loaded is not None and idx in loaded["params"]:
+            if loaded["steps_done"] != self.steps_done:
+                raise RuntimeError(
+                    f"BinSGDM: the per-rank state was saved after step {loaded['steps_done']}, but the"
+                    f" optimizer is at step {self.steps_done}: load the state_dict() and the per-rank state"
+                    " of the same checkpoint"
+                )
+            entry = loaded["params"].pop(idx)
+            for name in ("momentum", "abs_momentum"):
+                state[name] = entry[name].to(device=p.device, dtype=torch.float32).reshape(p.shape).clone()
+        elif "momentum" not in state:
+            if self.steps_done > 0 and not self._warned_fresh:
+                self._warned_fresh = True
+                logger.warning(
+                    "hf_onebit BinSGDM: step %d without per-rank state for rank %d: m and b restart from zero"
+                    " (save and load rank_state_dict() with the checkpoint to resume exactly)",
+                    self.steps_done + 1, self.rank,
+                )
+            state["momentum"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["abs_momentum"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if idx not in self._next:
+            self._next[idx] = (torch.empty_like(state["momentum"]), torch.empty_like(state["abs_momentum"]))
+        return state
+
+    def _commit(self, idx: int, p: torch.Tensor) -> None:
+        """Make the pending ``m, b`` of ``idx`` current (swap, no copy)."""
+        state = self.state[p]
+        m_next, b_next = self._next[idx]
+        self._next[idx] = (state["momentum"], state["abs_momentum"])
+        state["momentum"], state["abs_momentum"] = m_next, b_next
+        self._pending_t.pop(idx, None)
+
+    def state_dict(self) -> dict:
+        """Shared state only (step counter, seed, hyper-parameters); never communicates.
+
+        ``m`` and ``b`` differ per rank and are left out: see :meth:`rank_state_dict`.
+        """
+        sd = super().state_dict()
+        state = {}
+        for i, s in sd["state"].items():
+            rest = {k: v for k, v in s.items() if k not in ("momentum", "abs_momentum")}
+            if rest:
+                state[i] = rest
+        sd["state"] = state
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._next.clear()
+        self._pending_t.clear()
+        self._index_cache = None
+
+    def rank_state_dict(self) -> dict:
+        """This rank's ``m``, ``b`` per parameter index (plus the base's entries and the seed)."""
+        sd = super().rank_state_dict()
+        params = {}
+        for idx, p in enumerate(self.params_in_order()):
+            s = self.state.get(p, {})
+            if "momentum" in s:
+                params[idx] = {"momentum": s["momentum"].detach().clone(), "abs_momentum": s["abs_momentum"].detach().clone()}
+        loaded = self._loaded_vote_state
+        if loaded is not None:  # restored but not used yet: keep it
+            for idx, entry in loaded["params"].items():
+                params.setdefault(idx, entry)
+        sd["binsgdm"] = {"seed": self.seed, "params": params}
+        return sd
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        """Restore :meth:`rank_state_dict` output of *this* rank; applied lazily at first use."""
+        super().load_rank_state_dict(state)
+        if state["rank"] != self.rank:
+            raise ValueError(f"BinSGDM: per-rank state of rank {state['rank']} loaded on rank {self.rank}")
+        vote = state.get("binsgdm")
+        if vote is None:
+            raise ValueError("BinSGDM: this per-rank state was not saved by BinSGDM (no 'binsgdm' entry)")
+        for p in self.params_in_order():
+            s = self.state.get(p)
+            if s:
+                s.pop("momentum", None)
+                s.pop("abs_momentum", None)
+        self._next.clear()
+        self._pending_t.clear()
+        self._loaded_vote_state = {"steps_done": int(state["steps_done"]), "params": dict(vote["params"])}
+
+    # ---------------------------------------------------------------- the hook side
+    def reduce_bucket(self, params, buffer, grads):
+        # A step is skipped (by a GradScaler, or by hand) when the vote came out non-finite;
+        # the next backward then runs the hook again for the same step t. The base's guard
+        # ("hook ran twice before step()": gradient accumulation without no_sync()) is off
+        # whenever a loss scaler is attached; this keeps it on otherwise and admits exactly
+        # these retries: attempt ``a`` of a bucket at step t is its a-th call at t, every
+        # bucket of one backward has the same attempt number, and if any bucket of attempt
+        # ``a`` voted NaN the whole attempt was skipped, so attempt ``a + 1`` is admitted.
+        # (This rule, "repeat allowed iff the previous attempt was non-finite", would also let
+        # the base keep its guard under a loss scaler.)
+        t = self.steps_done + 1
+        index = self._index_of()
+        key = tuple(index[id(p)] for p in params)
+        if self._bucket_calls.get(key) == t:
+            attempt = self._attempts.get(key, 0)
+            if attempt in self._nan_attempts.get(t, ()):
+                self._bucket_calls.pop(key)
+                self._attempts[key] = attempt + 1
+        else:
+            self._attempts[key] = 0
+        return super().reduce_bucket(params, buffer, grads)
+
+    def reduce_bucket_custom(self, plan, key, params, buffer, grads) -> torch.futures.Future:
+        if plan is not Plan.VOTE:
+            return super().reduce_bucket_custom(plan, key, params, buffer, grads)
+        t = self.steps_done + 1
+        topo = self._topology()
+        layout = self._layout_for(key, params, buffer.device, topo)
+        for item in layout.items:
+            self._materialize(item.index, item.param)
+            self._pending_t[item.index] = t
+        scale_t = self.grad_scale() if self.grad_scale is not None else None
+        attempt = self._attempts.get(key, 0)
+        job = lambda: self._vote_bucket(layout, topo, buffer, grads, scale_t, t, attempt)  # noqa: E731
+        return executor_for(self.process_group, buffer.device).submit(job)
+
+    def _layout_for(self, key, params, device, topo: _Topology) -> _Layout:
+        layout = self._layouts.get(key)
+        if layout is not None:
+            return layout
+        for other in [k for k in self._layouts if set(k) & set(key)]:
+            del self._layouts[other]  # DDP rebuilt its buckets
+        items, off = [], 0
+        for idx, p in zip(key, params):
+            items.append(_Item(idx, p, off, p.numel()))
+            off += p.numel()
+        unit = 8 * topo.local_size if topo.hierarchical else 8
+        padded = -(-off // unit) * unit
+        f32 = dict(dtype=torch.float32, device=device)
+        layout = _Layout(
+            key, items, off, padded,
+            theta=torch.zeros(padded, **f32),
+            uniform=torch.empty(off, **f32),
+            votes=torch.zeros(padded, dtype=torch.bool, device=device),
+        )
+        self._layouts[key] = layout
+        return layout
+
+    def _vote_bucket(self, layout: _Layout, topo: _Topology, buffer, grads, scale_t, t: int, attempt: int) -> torch.Tensor:
+        """Runs on the communication thread: local state, local votes, exchange, ``.grad = q̄``."""
+        scale = float(scale_t) if scale_t is not None else 1.0
+        inv = 1.0 / scale
+        finite = True
+        worker = self._stream(self.rank)
+        for item, g in zip(layout.items, grads):
+            state = self.state[item.param]
+            group = self._group_map()[id(item.param)]
+            m_next, b_next = self._next[item.index]
+            sl = slice(item.offset, item.offset + item.numel)
+            g = g.reshape(-1)
+            if g.dtype == torch.float32:
+                g32 = g.mul_(inv) if inv != 1.0 else g  # in place: the bucket is overwritten with q̄
+            else:  # bf16/fp16 bucket: unscale into fp32 scratch
+                if layout.scratch is None:
+                    layout.scratch = torch.empty(layout.numel, dtype=torch.float32, device=g.device)
+                g32 = layout.scratch[sl].copy_(g)
+                if inv != 1.0:
+                    g32.mul_(inv)
+            vote_threshold_(
+                state["momentum"].view(-1), state["abs_momentum"].view(-1), g32, beta=group["beta"],
+                eps=group["eps"], m_out=m_next.view(-1), b_out=b_next.view(-1), theta=layout.theta[sl],
+                tmp=layout.uniform[sl],
+            )
+            finite = finite and bool(torch.isfinite(b_next).all())
+            worker.uniform_(layout.uniform[sl], t, item.index)
+        n = layout.numel
+        torch.lt(layout.uniform, layout.theta[:n], out=layout.votes[:n])
+        if topo.hierarchical:
+            qbar, valid = self._exchange_hierarchical(layout, topo, finite, t)
+        else:
+            qbar, valid = self._exchange_flat(layout, finite)
+        if not valid:
+            qbar.fill_(float("nan"))
+            self._nan_attempts.setdefault(t, set()).add(attempt)
+        for item, g in zip(layout.items, grads):
+            src = qbar[item.offset : item.offset + item.numel]
+            if scale != 1.0:
+                src = src * scale
+            g.reshape(-1).copy_(src)
+        return buffer
+
+    def _gather(self, payload: torch.Tensor, size: int, group) -> torch.Tensor:
+        out = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)
+        _all_gather(out, payload, group=group)
+        return out.view(size, payload.numel())
+
+    @staticmethod
+    def _flagged(bits: torch.Tensor, flag: bool) -> torch.Tensor:
+        payload = torch.empty(4 + bits.numel(), dtype=torch.uint8, device=bits.device)
+        payload[:4].view(torch.float32).fill_(1.0 if flag else float("nan"))
+        payload[4:].copy_(bits)
+        return payload
+
+    @staticmethod
+    def _rows_valid(rows: torch.Tensor) -> bool:
+        return bool(torch.isfinite(rows[:, :4].contiguous().view(torch.float32)).all())
+
+    def _vote_mean(self, bits: torch.Tensor) -> torch.Tensor:
+        """``mean_r ±1`` of the rows of ``bits`` (r, B): exact integer sums, one division."""
+        ones = torch.ones(bits.shape[0], dtype=torch.float32, device=bits.device)
+        return get_backend(bits.device).server_average(bits.contiguous(), ones)
+
+    def _exchange_flat(self, layout: _Layout, finite: bool) -> tuple[torch.Tensor, bool]:
+        n = self.world_size
+        nbytes = layout.padded // 8
+        bits = torch.empty(nbytes, dtype=torch.uint8, device=layout.votes.device)
+        _pack_votes(layout.votes, bits)
+        rows = self._gather(self._flagged(bits, finite), n, self.process_group)
+        valid = self._rows_valid(rows)
+        qbar = self._vote_mean(rows[:, 4:])
+        moved = (n - 1) * (4 + nbytes)
+        self.comm_stats.record(CommRecord(moved, moved, 1, allreduce_bytes(4 * layout.numel, n), 1))
+        return qbar, valid
+
+    def _exchange_hierarchical(self, layout: _Layout, topo: _Topology, finite: bool, t: int) -> tuple[torch.Tensor, bool]:
+        if topo.node_group is None:
+            self._create_groups(topo)
+        k, nodes = topo.local_size, topo.nodes
+        nbytes = layout.padded // 8
+        slice_bytes = nbytes // k
+        device = layout.votes.device
+        bits = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        _pack_votes(layout.votes, bits)
+
+        # Round 1 (intra-node): every rank of the node gets the node's k votes.
+        rows = self._gather(self._flagged(bits, finite), k, topo.node_group)
+        node_finite = self._rows_valid(rows)
+        mean = self._vote_mean(rows[:, 4:])  # μ ∈ [-1, 1], identical on the node's ranks
+        # Binarise once per node with the node's stream: P(+1) = (1 + μ)/2.
+        theta = layout.theta
+        torch.add(mean, 1.0, out=theta).mul_(0.5)
+        theta[layout.numel :].zero_()
+        node_stream = self._stream(_NODE_STREAM + topo.node)
+        for item in layout.items:
+            node_stream.uniform_(layout.uniform[item.offset : item.offset + item.numel], t, item.index)
+        torch.lt(layout.uniform, theta[: layout.numel], out=layout.votes[: layout.numel])
+        _pack_votes(layout.votes, bits)
+
+        # Round 2 (inter-node): local rank j exchanges slice j of the node bits across nodes.
+        mine = bits[topo.local_rank * slice_bytes : (topo.local_rank + 1) * slice_bytes]
+        inter = self._gather(self._flagged(mine, node_finite), nodes, topo.inter_group)
+        valid = self._rows_valid(inter)
+
+        # Round 3 (intra-node): assemble every node's full bit vector on every rank.
+        gathered = self._gather(inter[:, 4:].contiguous().reshape(-1), k, topo.node_group)
+        all_bits = gathered.view(k, nodes, slice_bytes).permute(1, 0, 2).reshape(nodes, nbytes)
+        qbar = self._vote_mean(all_bits)
+
+        r1 = (k - 1) * (4 + nbytes)
+        r2 = (nodes - 1) * (4 + slice_bytes)
+        r3 = (k - 1) * nodes * slice_bytes
+        moved = r1 + r2 + r3
+        n = self.world_size
+        self.comm_stats.record(CommRecord(moved, moved, 3, allreduce_bytes(4 * layout.numel, n), 1))
+        self.inter_node_stats.record(CommRecord(r2, r2, 1, allreduce_bytes(4 * layout.numel, n), 1))
+        return qbar, valid
+
+    # ---------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.steps_done + 1
+        synced = self.check_synced(t) if self.plan() is Plan.VOTE else False
+        index = self._index_of()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("hf_onebit optimizers do not support sparse gradients")
+                idx = index[id(p)]
+                if synced:
+                    if self._pending_t.get(idx) != t:
+                        raise RuntimeError(
+                            f"BinSGDM: parameter {idx} has a gradient but the communication hook did not"
+                            f" vote on it for step {t}"
+                        )
+                    q = p.grad
+                else:  # one process: the algorithm with n = 1, the local vote
+                    q = self._local_vote(idx, p, group, t)
+                self._commit(idx, p)
+                vote_update_(p, q, lr=group["lr"], weight_decay=group["weight_decay"])
+        self._nan_attempts.pop(t, None)
+        self._after_step()
+        return loss
+
+    def _local_vote(self, idx: int, p: torch.Tensor, group: dict, t: int) -> torch.Tensor:
+        state = self._materialize(idx, p)
+        m_next, b_next = self._next[idx]
+        g = p.grad.reshape(-1)
+        g32 = g if g.dtype == torch.float32 else g.float()
+        theta = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
+        u = torch.empty_like(theta)
+        vote_threshold_(
+            state["momentum"].view(-1), state["abs_momentum"].view(-1), g32, beta=group["beta"], eps=group["eps"],
+            m_out=m_next.view(-1), b_out=b_next.view(-1), theta=theta, tmp=u,
+        )
+        self._stream(self.rank).uniform_(u, t, idx)
+        return torch.where(u < theta, 1.0, -1.0).view(p.shape)

@@ -1,0 +1,323 @@
+"""1-bit LAMB (Li et al., 2021): LAMB warmup, then frozen variance and trust ratios, 1-bit momentum.
+
+Spec §4. See :class:`OneBitLamb` for the maths, the phase table and what ``.grad`` holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_nonneg_int
+from hf_onebit.optim.masks import ZeroGradientMasks
+
+
+# ---------------------------------------------------------------- validation
+def _check_lamb_group(group: dict) -> None:
+    """Raise ``ValueError`` with a clear message if a parameter group's hyperparameters are unusable."""
+    check_common(group["lr"], group["eps"], group["weight_decay"])
+    betas = group["betas"]
+    if not isinstance(betas, Sequence) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    check_betas(betas)
+    for name in ("lr", "eps", "weight_decay", "max_coeff", "min_coeff", "coeff_beta", "factor_max",
+                 "factor_min", "factor_threshold"):
+        if isinstance(group[name], float) and math.isnan(group[name]):
+            raise ValueError(f"{name} must not be NaN")
+    min_c, max_c = group["min_coeff"], group["max_coeff"]
+    if not min_c > 0.0:
+        raise ValueError(f"min_coeff must be > 0 (it bounds the trust ratio from below), got {min_c}")
+    if not min_c <= max_c:
+        raise ValueError(f"min_coeff must be <= max_coeff, got min_coeff={min_c} > max_coeff={max_c}")
+    if not 0.0 <= group["coeff_beta"] < 1.0:
+        raise ValueError(
+            f"coeff_beta must lie in [0, 1), got {group['coeff_beta']} (with 1 the frozen trust ratio"
+            " would never leave its initial 0 and the compression phase would not move the parameters)"
+        )
+    f_min, f_max = group["factor_min"], group["factor_max"]
+    if not f_min > 0.0:
+        raise ValueError(
+            f"factor_min must be > 0, got {f_min} (a zero factor would stop training for good: each"
+            " step's factor is bounded relative to the previous one)"
+        )
+    if not f_min <= f_max:
+        raise ValueError(f"factor_min must be <= factor_max, got factor_min={f_min} > factor_max={f_max}")
+    if not group["factor_threshold"] >= 0.0:
+        raise ValueError(f"factor_threshold must be >= 0, got {group['factor_threshold']}")
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(x)
+
+
+class OneBitLamb(ZeroGradientMasks, OneBitOptimizer):
+    r"""1-bit LAMB for DDP (attach it with :func:`hf_onebit.attach`); spec §4.
+
+    **The maths.** LAMB is Adam with a per-tensor *trust ratio*: parameter tensor ``p`` moves by
+    ``lr·c·u`` with ``u = m/(sqrt(v)+eps) + wd·p`` and ``c = clip(‖p‖/‖u‖, min_coeff,
+    max_coeff)``. 1-bit compression with error feedback converges like the uncompressed method
+    only when the update is *linear* in the communicated momentum (1-bit Adam: with ``v``
+    frozen, Adam is momentum SGD with a fixed per-coordinate learning rate). ``‖p‖/‖u‖`` is not
+    linear in ``m``: computed from a 1-bit momentum, the compression error would enter the
+    step size of every layer. So during the warmup (``t <= freeze_step``, exact LAMB on the
+    averaged gradient) each tensor keeps an exponential average ``c_frozen`` (``coeff_beta``;
+    starting at 0 as in DeepSpeed; steps with ``c == 1`` are not averaged) of its trust ratio,
+    and afterwards the step uses ``c_frozen`` -- a constant, so the update is linear in ``m``
+    again. A frozen variance and a frozen ratio become stale as training moves on, so a second
+    variance ``v_fresh`` (a copy of ``v`` at the freeze) keeps tracking the gradient
+    ``g̃ = (m − β1·m_prev)/(1−β1)`` reconstructed from two consecutive synced momenta (no extra
+    communication). ``f = max((sqrt(v)+eps)/(sqrt(v_fresh)+eps))`` says how much larger the
+    step would be with the current variance; it rescales the frozen ratio to ``c_frozen·f``.
+    ``f`` is one scalar per tensor and is *bounded*: to ``[factor_min, factor_max]`` and to a
+    relative change of ``factor_threshold`` per step (``f_last`` starts at 1), so it follows the
+    drift of the variance slowly and cannot turn compression noise in ``g̃`` into jumps of the
+    step size; with weight decay it only rescales the adaptive share ``ρ = min(1,
+    ‖m/(sqrt(v)+eps)‖/‖u‖)`` of the update (``f ← ρ·f + 1 − ρ``).
+
+    **Momentum scaling.** The compressor has one scale per chunk of a buffer, and a bucket
+    holds many tensors whose momenta can differ by orders of magnitude. Each tensor's momentum
+    is therefore multiplied by ``scaling_p = mean_q RMS(m_q) / RMS(m_p)`` before compression and
+    divided by it after. The ratios are computed once, at the end of step ``freeze_step`` (the
+    momentum then is the one before the first compressed step's update), over every parameter
+    tensor of the optimizer, and stored in the per-parameter state (identical on every rank, so
+    they travel in ``state_dict()``). If ``mean/RMS(m_p)`` is not a finite positive number
+    (``RMS(m_p) == 0``: a tensor whose averaged gradient was always zero; or non-finite
+    momenta) the tensor's scaling is 1. With ``freeze_step == 0`` every momentum is zero at the
+    first compressed step, so every scaling is 1.
+
+    **Phases** (``n`` ranks; bytes sent per parameter element and rank, scales not counted;
+    all communication happens in the DDP hook while backward runs, none in ``step()``):
+
+    =========== ====== ======================================= ====================== ==========================
+    phase       steps  communicated                            precision, bytes       ``.grad`` when step() runs
+    =========== ====== ======================================= ====================== ==========================
+    warmup      t <= F gradient, mean all-reduce               grad dtype (fp32):     averaged gradient ``ḡ``
+                                                               ≈ 8·(n−1)/n
+    compression t > F  ``(β1·m_p + (1−β1)·g_p,i)·scaling_p``,  1 bit + error          ``M_p / scaling_p``: the
+                       compressed all-reduce (§1) per DDP      feedback (fp32 state): new ``m`` before the mask
+                       bucket                                  ≈ (n−1)/(4n)
+    =========== ====== ======================================= ====================== ==========================
+
+    Under fp16 with a ``GradScaler`` the hook unscales before mixing the gradient into the
+    momentum and ``.grad`` holds the values above times the loss scale, which ``GradScaler``
+    removes before ``step()``.
+
+    With one process (no hook) nothing is communicated, ``.grad`` is the local gradient in both
+    phases and ``step()`` forms the momentum itself (no compression, no scaling). As with 1-bit
+    Adam, ``clip_grad_norm_`` in the compression phase clips the momentum, not a gradient.
+
+    All state is per parameter and fp32: ``exp_avg`` (m), ``exp_avg_sq`` (v, frozen after F),
+    ``exp_avg_sq_fresh`` (v_fresh), ``coeff_frozen`` (c_frozen), ``last_factor`` (f_last),
+    ``scaling``, and the compression mask. Error-feedback buffers are per rank
+    (:meth:`rank_state_dict`).
+
+    Args:
+        params: parameters or parameter groups (every hyperparameter below except
+            ``freeze_step`` and ``auto_mask`` may be set per group).
+        lr: learning rate (schedulers may change it every step).
+        betas: ``(β1, β2)``.
+        eps: added to ``sqrt(v)`` (and to ``sqrt(v_fresh)``).
+        weight_decay: ``wd``, added to the update before the trust ratio (LAMB style).
+        freeze_step: last step of the uncompressed warmup. Published guidance: about 15-25% of
+            the run, for batch sizes 8K-64K.
+        max_coeff, min_coeff: bounds of the warmup trust ratio ``c`` (``0 < min <= max``).
+        coeff_beta: averaging factor of ``c_frozen`` (in ``[0, 1)``).
+        factor_max, factor_min: bounds of the compression-phase factor ``f`` (``0 < min <= max``).
+        factor_threshold: largest relative change of ``f`` from one step to the next (``>= 0``).
+        auto_mask: mask (keep at zero) momentum coordinates whose averaged gradient was exactly
+            zero on every warmup step, e.g. unused embedding rows, which would otherwise receive
+            ``±scale`` from the compressor and, with ``v == 0`` there, steps of size
+            ``scale/eps``. :meth:`set_mask` overrides it per parameter.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int = 100000,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        auto_mask: bool = True,
+    ) -> None:
+        check_nonneg_int(freeze_step, "freeze_step")
+        defaults = dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, Sequence) else betas, eps=eps,
+            weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
+            factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
+        )
+        _check_lamb_group(defaults)
+        super().__init__(params, defaults)
+        self.freeze_step = freeze_step
+        self.auto_mask = auto_mask
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As in torch, plus a check of the group's hyperparameters *before* it is added."""
+        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        if isinstance(merged.get("betas"), list):
+            merged["betas"] = tuple(merged["betas"])
+        _check_lamb_group(merged)
+        super().add_param_group(param_group)
+
+    # ---------------------------------------------------------------- phase machine
+    def plan(self) -> Plan:
+        return Plan.ALLREDUCE if self.steps_done + 1 <= self.freeze_step else Plan.COMPRESS_MOMENTUM
+
+    def phase(self) -> str:
+        return "warmup" if self.steps_done + 1 <= self.freeze_step else "compression"
+
+    def global_state(self) -> dict:
+        return {**super().global_state(), "freeze_step": self.freeze_step}
+
+    # ---------------------------------------------------------------- the hook side
+    def _scaling(self, p: torch.Tensor) -> torch.Tensor | None:
+        state = self.state.get(p)
+        return None if not state else state.get("scaling")
+
+    def prepare_send(self, plan, p, grad, out, inv_scale) -> None:
+        """Compression phase: ``out = (β1·m_p + (1−β1)·g_p,i)·scaling_p`` (``g`` unscaled)."""
+        if plan is not Plan.COMPRESS_MOMENTUM:
+            return super().prepare_send(plan, p, grad, out, inv_scale)
+        beta1 = self._group_map()[id(p)]["betas"][0]
+        g = grad.reshape(-1)
+        if g.dtype == torch.float32 and inv_scale == 1.0:
+            torch.mul(g, 1 - beta1, out=out)
+        else:
+            out.copy_(g).mul_((1 - beta1) * inv_scale)
+        state = self.state.get(p)
+        if state and "exp_avg" in state:
+            out.add_(state["exp_avg"].reshape(-1), alpha=beta1)
+        scaling = self._scaling(p)
+        if scaling is not None:
+            out.mul_(scaling)
+
+    def finish_receive(self, plan, p, result, grad, scale) -> None:
+        """Compression phase: ``.grad = M_p / scaling_p`` (times the loss scale, if any)."""
+        if plan is Plan.COMPRESS_MOMENTUM:
+            scaling = self._scaling(p)
+            if scaling is not None:
+                result.div_(scaling)  # a view of this segment's work buffer, free to overwrite
+        super().finish_receive(plan, p, result, grad, scale)
+
+    # ---------------------------------------------------------------- step
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            f32 = dict(dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, **f32)
+            state["exp_avg_sq"] = torch.zeros_like(p, **f32)
+            state["exp_avg_sq_fresh"] = torch.zeros_like(p, **f32)
+            scalar = dict(dtype=torch.float32, device=p.device)
+            state["coeff_frozen"] = torch.zeros((), **scalar)
+            state["last_factor"] = torch.ones((), **scalar)
+            state["scaling"] = torch.ones((), **scalar)
+            self.init_mask_tracking(p, state)
+        return state
+
+    @staticmethod
+    def _apply_update(p: torch.Tensor, u: torch.Tensor, coeff: torch.Tensor, lr: float) -> None:
+        """``p -= lr·coeff·u`` (``u`` is consumed); low-precision parameters are rounded once."""
+        u.mul_(coeff)
+        if p.dtype == torch.float32:
+            p.add_(u, alpha=-lr)
+        else:
+            p.copy_(p.float().add_(u, alpha=-lr))
+
+    def _warmup_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        self.track_nonzero(state, grad)
+        pf = p if p.dtype == torch.float32 else p.float()
+        u = m / v.sqrt().add_(group["eps"])
+        if group["weight_decay"]:
+            u.add_(pf, alpha=group["weight_decay"])
+        w_norm, u_norm = _norm(pf), _norm(u)
+        ratio = (w_norm / u_norm).clamp_(group["min_coeff"], group["max_coeff"])
+        c = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+        cb = group["coeff_beta"]
+        frozen = state["coeff_frozen"]
+        frozen.copy_(torch.where(c != 1, frozen * cb + (1 - cb) * c, frozen))
+        self._apply_update(p, u, c, group["lr"])
+
+    def _compression_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, synced: bool) -> None:
+        beta1, beta2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        m, v, v_fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
+        if synced:  # the hook delivered the averaged momentum in .grad
+            new_m = grad
+        else:  # one process: the momentum is local and exact
+            new_m = torch.mul(m, beta1).add_(grad, alpha=1 - beta1)
+        if "mask" in state:
+            new_m = new_m * state["mask"]
+        g_rec = torch.sub(new_m, m, alpha=beta1).div_(1 - beta1)  # (m − β1·m_prev)/(1−β1)
+        m.copy_(new_m)
+        v_fresh.mul_(beta2).addcmul_(g_rec, g_rec, value=1 - beta2)
+        denom = v.sqrt().add_(eps)
+        factor = (denom / v_fresh.sqrt().add_(eps)).max()
+        u = m / denom
+        if wd:
+            pf = p if p.dtype == torch.float32 else p.float()
+            prelim_norm = _norm(u)
+            u.add_(pf, alpha=wd)
+            u_norm = _norm(u)
+            rho = torch.where(u_norm > 0, (prelim_norm / u_norm).clamp(max=1.0), torch.ones_like(u_norm))
+            factor = rho * factor + (1 - rho)
+        factor = factor.clamp(group["factor_min"], group["factor_max"])
+        last = state["last_factor"]
+        thr = group["factor_threshold"]
+        factor = torch.clamp(factor, last * (1 - thr), last * (1 + thr))
+        last.copy_(factor)
+        self._apply_update(p, u, state["coeff_frozen"] * factor, group["lr"])
+
+    def _freeze(self) -> None:
+        """End of step ``freeze_step``: ``v_fresh = v``, momentum scaling ratios, masks."""
+        params = [p for p in self.params_in_order() if "exp_avg" in self.state.get(p, {})]
+        rms = []
+        for p in params:
+            state = self.state[p]
+            state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])
+            m = state["exp_avg"]
+            norm = float(torch.linalg.vector_norm(m, dtype=torch.float64)) if m.numel() else 0.0
+            rms.append(norm / math.sqrt(m.numel()) if m.numel() else 0.0)
+        mean = sum(rms) / len(rms) if rms else 0.0
+        for p, r in zip(params, rms):
+            ratio = mean / r if r > 0 else math.inf
+            self.state[p]["scaling"].fill_(ratio if math.isfinite(ratio) and ratio > 0 else 1.0)
+        self.freeze_masks()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.steps_done + 1
+        plan = self.plan()
+        compress = plan is Plan.COMPRESS_MOMENTUM
+        synced = self.check_synced(t) if compress else False
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("hf_onebit optimizers do not support sparse gradients")
+                state = self._init_state(p)
+                grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+                if compress:
+                    self._compression_update(p, grad, state, group, synced)
+                else:
+                    self._warmup_update(p, grad, state, group)
+        if t == self.freeze_step:
+            self._freeze()
+        self._after_step()
+        return loss

@@ -1,0 +1,379 @@
+"""0/1 Adam (Lu et al., 2022): adaptive variance freezing, then 1-bit-synced local steps.
+
+Spec §3. Two phases:
+
+* **variance** (``t <= var_freeze_step``): every step is synchronised. The variance ``v`` is
+  updated only on *variance steps* (``t mod var_interval == 0``), which all-reduce the
+  gradient at full precision; every other step all-reduces the gradient with 1 bit per element
+  and error feedback, and updates only the momentum. After ``var_update_scaler`` variance
+  steps the interval between them doubles.
+* **local_steps** (``t > var_freeze_step``): ``v`` is frozen. Each rank runs Adam steps on its
+  own gradient and accumulates its updates ``u = -Σ Δ`` and learning rates ``λ = Σ lr``. On a
+  *sync step* (``t mod local_interval == 0``) the ranks average ``u ⊙ (sqrt(v)+eps)`` with the
+  1-bit compressed all-reduce, move every parameter to ``last synced point + ū/(sqrt(v)+eps)``
+  and restart from the momentum ``-ū/λ``. After ``local_step_scaler`` local-phase steps the
+  interval between syncs doubles, up to ``local_step_clipper``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_onebit.optim.base import (
+    OneBitOptimizer,
+    Plan,
+    check_betas,
+    check_common,
+    check_nonneg_int,
+    check_positive_int,
+)
+
+
+class ZeroOneAdam(OneBitOptimizer):
+    """0/1 Adam for DDP (attach it with :func:`hf_onebit.attach`).
+
+    No bias correction is applied (as in the paper and DeepSpeed). Hyperparameter names and
+    defaults are DeepSpeed's.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (schedulers may change it every step; ``λ`` sums the actual values).
+        betas: ``(β1, β2)``.
+        eps: added to ``sqrt(v)``.
+        weight_decay: decoupled weight decay (AdamW style): ``Δ = lr·(m/(sqrt(v)+eps) + wd·p)``.
+        var_freeze_step: last step of the variance phase (published guidance: the end of the
+            learning-rate warmup). ``0`` skips the variance phase (``v`` then stays zero).
+        var_update_scaler: number of variance steps after which the interval between variance
+            steps doubles (integer >= 1).
+        local_step_scaler: number of local-phase steps after which the interval between syncs
+            doubles (integer >= 1).
+        local_step_clipper: largest interval between syncs (integer >= 1).
+
+    Phases and what each step communicates (``n`` ranks):
+
+    ::
+
+        phase        step                     plan               what is communicated            where
+        -----------  -----------------------  -----------------  ------------------------------  ---------------------------
+        variance     variance step:           ALLREDUCE          mean gradient, full precision   hook, during backward
+                     t mod var_interval == 0                     (the gradient's dtype)
+        variance     1-bit step: otherwise    COMPRESS_GRADIENT  gradient, 1 bit + error         hook, during backward
+                                                                 feedback, one buffer per
+                                                                 DDP bucket
+        local_steps  sync step:               SYNC_AFTER_STEP    u ⊙ (sqrt(v)+eps), 1 bit +      step(), after this step's
+                     t mod local_interval                        error feedback, the 1-bit       local update (it needs that
+                     == 0                                        steps' buffers (if none ran:    update: cannot overlap backward)
+                                                                 ≤ 25 MB, parameter order)
+        local_steps  local step: otherwise    LOCAL              nothing                         --
+
+    Bytes sent per rank per parameter element (counted as :mod:`hf_onebit.comm.stats` does):
+    ALLREDUCE ``2·(n-1)/n · 4`` for fp32 gradients (≈ 8); COMPRESS_GRADIENT and sync steps
+    ``2·(n-1)/n · 1/8`` (≈ 0.25) plus ``8·(n-1)`` bytes of scales per buffer and call, in 3
+    rounds per buffer; LOCAL 0. Over a local interval of ``k`` steps that is ``0.25/k`` bytes per element
+    per step.
+
+    What ``.grad`` holds when ``step()`` runs:
+
+    * ALLREDUCE: the averaged gradient, bitwise identical on every rank.
+    * COMPRESS_GRADIENT: the 1-bit averaged gradient (error-compensated), identical on every rank.
+    * LOCAL and SYNC_AFTER_STEP: this rank's own local gradient, different on every rank (so
+      ``clip_grad_norm_`` clips each rank by its own norm).
+
+    Parameters, momentum, ``u`` and ``λ`` are identical on all ranks after every step of the
+    variance phase and after every sync step, and differ between syncs.
+
+    State (fp32 per parameter, also for bf16/fp16 parameters): ``exp_avg`` (m), ``exp_avg_sq``
+    (v); in the local phase also ``momentum_accumulator`` (u, the sum of this rank's updates
+    since the last sync, negated), ``lr_sum`` (λ, a float) and, with more than one rank,
+    ``synced_param`` (the parameter at the last sync, identical on all ranks). The spec moves
+    back to that point with ``p - u``; computed in floating point, ``p - u`` carries the
+    rounding of this rank's own local updates, so ranks would end a sync a few ulps apart.
+    Keeping the point itself (4 more bytes per parameter) makes every rank land on bitwise
+    the same parameters, and for bf16/fp16 parameters it acts as an fp32 master copy of the
+    synced point. The error buffers of every compressed buffer are zeroed when the local phase
+    starts (they then measure the error of the accumulated updates).
+
+    One process (``world_size == 1``): nothing is communicated and nothing is compressed (the
+    spec's compressed all-reduce is the identity for ``n = 1``). A sync step then leaves the
+    parameters where the local steps took them (``p - u + u⊙d/d = p``; the round trip is
+    skipped so no rounding is added), sets ``m = -u⊙(sqrt(v)+eps)/λ`` (the λ-weighted mean of
+    ``m + wd·p·(sqrt(v)+eps)`` over the interval, exactly what the spec yields for ``n = 1``)
+    and resets ``u`` and ``λ``.
+
+    Checkpoints: ``state_dict()`` (rank 0's copy is enough) holds the counters and the optimizer
+    state (including the synced point, the same on every rank); :meth:`rank_state_dict` holds
+    each rank's error buffers and, in the local phase, its own parameters, ``exp_avg``, ``u`` and
+    ``λ``. Resume in this order: model and
+    ``optimizer.load_state_dict``, wrap in DDP (which broadcasts rank 0's parameters),
+    :func:`hf_onebit.attach`, then ``optimizer.load_rank_state_dict`` (which writes this rank's
+    own parameters back). A run stopped between two syncs then continues bitwise identically.
+
+    fp16 with ``GradScaler``: in the local phase ranks see different gradients, so one rank may
+    skip a step that others take; the step counters would then diverge and the next sync
+    mismatch. Use bf16 (or make sure overflow skips happen on all ranks).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+    ) -> None:
+        check_common(lr, eps, weight_decay)
+        check_betas(betas)
+        check_nonneg_int(var_freeze_step, "var_freeze_step")
+        check_positive_int(var_update_scaler, "var_update_scaler")
+        check_positive_int(local_step_scaler, "local_step_scaler")
+        check_positive_int(local_step_clipper, "local_step_clipper")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.var_freeze_step = var_freeze_step
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+        self.var_interval = 1
+        self.var_counter = 0
+        self.local_interval = 1
+        self.local_counter = 0
+
+    # ---------------------------------------------------------------- phase machine
+    def plan(self) -> Plan:
+        t = self.steps_done + 1
+        if t <= self.var_freeze_step:
+            return Plan.ALLREDUCE if t % self.var_interval == 0 else Plan.COMPRESS_GRADIENT
+        return Plan.SYNC_AFTER_STEP if t % self.local_interval == 0 else Plan.LOCAL
+
+    def phase(self) -> str:
+        return "variance" if self.steps_done + 1 <= self.var_freeze_step else "local_steps"
+
+    def global_state(self) -> dict:
+        return {
+            **super().global_state(),
+            "var_interval": self.var_interval,
+            "var_counter": self.var_counter,
+            "local_interval": self.local_interval,
+            "local_counter": self.local_counter,
+            # informative only: the constructor's hyperparameters win on load
+            "var_freeze_step": self.var_freeze_step,
+            "var_update_scaler": self.var_update_scaler,
+            "local_step_scaler": self.local_step_scaler,
+            "local_step_clipper": self.local_step_clipper,
+        }
+
+    def load_global_state(self, state: dict) -> None:
+        super().load_global_state(state)
+        self.var_interval = int(state["var_interval"])
+        self.var_counter = int(state["var_counter"])
+        self.local_interval = int(state["local_interval"])
+        self.local_counter = int(state["local_counter"])
+
+    # ---------------------------------------------------------------- state
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        return state
+
+    def _init_local_state(self, p: torch.Tensor) -> dict:
+        """The local-phase state; created when the local phase starts (parameters are synced then)."""
+        state = self._init_state(p)
+        if "momentum_accumulator" not in state:
+            state["momentum_accumulator"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["lr_sum"] = 0.0
+            if self.world_size > 1:
+                state["synced_param"] = p.detach().to(dtype=torch.float32, copy=True)
+        return state
+
+    def rank_state_dict(self) -> dict:
+        """Base per-rank state plus, in the local phase, this rank's parameters and local state.
+
+        Only tensors, ints, floats and dicts: ``torch.load(..., weights_only=True)`` reads it.
+        """
+        sd = super().rank_state_dict()
+        if self.steps_done > self.var_freeze_step:
+            local: dict[int, dict] = {}
+            for i, p in enumerate(self.params_in_order()):
+                state = self.state.get(p, {})
+                entry: dict = {"param": p.detach().clone()}
+                for k in ("exp_avg", "momentum_accumulator"):  # synced_param is the same everywhere
+                    if k in state:
+                        entry[k] = state[k].detach().clone()
+                if "lr_sum" in state:
+                    entry["lr_sum"] = float(state["lr_sum"])
+                local[i] = entry
+            sd["local"] = local
+        return sd
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        """Restore :meth:`rank_state_dict` output, including this rank's own parameters.
+
+        Call it after ``load_state_dict`` and after wrapping the model in DDP (DDP broadcasts
+        rank 0's parameters when it is constructed).
+        """
+        super().load_rank_state_dict(state)
+        local = state.get("local")
+        if local is None:
+            return
+        if int(state["steps_done"]) != self.steps_done:
+            raise ValueError(
+                f"per-rank state was saved after step {state['steps_done']} but the optimizer is at step"
+                f" {self.steps_done}: call optimizer.load_state_dict(...) from the same checkpoint first"
+            )
+        params = self.params_in_order()
+        if len(local) != len(params):
+            raise ValueError(f"per-rank state holds {len(local)} parameters, the optimizer has {len(params)}")
+        with torch.no_grad():
+            for i, entry in local.items():
+                p = params[i]
+                p.copy_(entry["param"])
+                st = self.state[p]
+                for k in ("exp_avg", "momentum_accumulator"):
+                    if k in entry:
+                        st[k] = entry[k].to(device=p.device, dtype=torch.float32, copy=True)
+                if "lr_sum" in entry:
+                    st["lr_sum"] = float(entry["lr_sum"])
+
+    # ---------------------------------------------------------------- step
+    @staticmethod
+    def _update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: float, eps: float, wd: float) -> torch.Tensor:
+        """``Δ = lr·(m/(sqrt(v)+eps) + wd·p)`` (fp32); ``p -= Δ``; returns Δ."""
+        p32 = p if p.dtype == torch.float32 else p.float()
+        delta = torch.div(m, v.sqrt().add_(eps))
+        if wd:
+            delta.add_(p32, alpha=wd)
+        delta.mul_(lr)
+        if p.dtype == torch.float32:
+            p.sub_(delta)
+        else:  # low-precision parameters: update in fp32, round once
+            p.copy_(p32.sub_(delta))
+        return delta
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        if p.grad is None:
+            return None
+        if p.grad.is_sparse:
+            raise ValueError("hf_onebit optimizers do not support sparse gradients")
+        return p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.steps_done + 1
+        plan = self.plan()
+        if plan is not Plan.ALLREDUCE:
+            # Every other plan needs the hook: without it DDP would all-reduce at full precision
+            # (1-bit steps: more traffic; local steps: not local at all).
+            self.check_synced(t)
+        if t <= self.var_freeze_step:
+            self._variance_phase_step(plan)
+        else:
+            self._local_phase_step(t, plan)
+        self._after_step()
+        return loss
+
+    def _variance_phase_step(self, plan: Plan) -> None:
+        variance_step = plan is Plan.ALLREDUCE
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                grad = self._grad(p)
+                if grad is None:
+                    continue
+                state = self._init_state(p)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                if variance_step:
+                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                self._update(p, m, v, group["lr"], group["eps"], group["weight_decay"])
+        if variance_step:
+            self.var_counter += 1
+            if self.var_counter == self.var_update_scaler:
+                self.var_counter = 0
+                self.var_interval *= 2
+
+    def _local_phase_step(self, t: int, plan: Plan) -> None:
+        if t == self.var_freeze_step + 1:
+            self._enter_local_phase()
+        for group in self.param_groups:
+            beta1 = group["betas"][0]
+            for p in group["params"]:
+                grad = self._grad(p)
+                if grad is None:
+                    continue
+                state = self._init_local_state(p)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                delta = self._update(p, m, v, group["lr"], group["eps"], group["weight_decay"])
+                state["momentum_accumulator"].sub_(delta)
+                state["lr_sum"] += group["lr"]
+        if plan is Plan.SYNC_AFTER_STEP:
+            self._sync()
+        self.local_counter += 1
+        if self.local_counter == self.local_step_scaler:
+            self.local_counter = 0
+            self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
+
+    def _enter_local_phase(self) -> None:
+        """First local step: allocate the local state; zero every error buffer."""
+        params = self.params_in_order()
+        for p in params:
+            self._init_local_state(p)
+        if self.world_size > 1 and params:
+            # Materialises saved-but-unused segments too, so no stale error survives a resume.
+            for seg in self.segments_covering_all(params[0].device):
+                seg.comm.reset()
+
+    def _sync(self) -> None:
+        """Average ``u ⊙ (sqrt(v)+eps)`` (1 bit), restart every rank from the same point."""
+        groups = self._group_map()
+        params = self.params_in_order()
+        if self.world_size == 1:
+            for p in params:
+                state = self._init_local_state(p)
+                u, lam = state["momentum_accumulator"], state["lr_sum"]
+                if lam > 0:
+                    denom = state["exp_avg_sq"].sqrt().add_(groups[id(p)]["eps"])
+                    torch.mul(u, denom, out=state["exp_avg"]).div_(-lam)
+                u.zero_()
+                state["lr_sum"] = 0.0
+            return
+        segments = self.segments_covering_all(params[0].device)
+        futures = []
+        for seg in segments:  # fill a segment, queue it, fill the next while it travels
+            off = 0
+            for i in seg.key:
+                p = params[i]
+                state = self._init_local_state(p)
+                n = p.numel()
+                denom = state["exp_avg_sq"].sqrt().add_(groups[id(p)]["eps"])
+                torch.mul(state["momentum_accumulator"], denom, out=seg.work[off : off + n].view(p.shape))
+                off += n
+            futures.append(seg.comm.allreduce_async(seg.work))
+        for seg, fut in zip(segments, futures):
+            fut.wait()
+            off = 0
+            for i in seg.key:
+                p = params[i]
+                state = self.state[p]
+                n = p.numel()
+                ubar = seg.work[off : off + n].view(p.shape)
+                off += n
+                denom = state["exp_avg_sq"].sqrt().add_(groups[id(p)]["eps"])
+                lam = state["lr_sum"]
+                if lam > 0:  # λ = 0: no local step since the last sync (no gradient, or lr 0)
+                    torch.div(ubar, -lam, out=state["exp_avg"])
+                point = state["synced_param"]
+                point.addcdiv_(ubar, denom)  # the spec's (p - u) + ū/(sqrt(v)+eps)
+                p.copy_(point)
+                state["momentum_accumulator"].zero_()
+                state["lr_sum"] = 0.0

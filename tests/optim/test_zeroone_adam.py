@@ -1,0 +1,347 @@
+"""0/1 Adam on 1, 2 and 4 ranks against an independent numpy simulation of spec §3.
+
+The hyperparameters are small enough that 32 steps pass through every phase change: variance
+steps whose interval doubles (1, 2, 4, 8), 1-bit gradient steps, the freeze, sync steps whose
+interval doubles (1, 2, 4) and is then clipped at 4, and local steps.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.optim.harness import FixedGradModel, fixed_grads, train
+from tests.simulation import SpecSimulation
+
+OPT = "hf_onebit.optim.zeroone_adam:ZeroOneAdam"
+# eps=1e-4: parameter 1's zero-gradient rows have v = 0, so the 1-bit noise moves them by
+# ~lr·m/eps per step (spec §3 has no mask) and u grows to ~lr·m/eps·interval there. The spec's
+# own "p - u" then cancels away ~ulp(u) in float32: with eps=1e-8 (u ~ 1e6) that is ~0.1, with
+# 1e-6 ~2e-3, both above the tolerance; 1e-4 keeps it far below. (ZeroOneAdam keeps the synced
+# point instead of recomputing it, see its docstring, so it does not suffer from this.)
+KWARGS = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-4, weight_decay=0.01, var_freeze_step=13,
+              var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+STEPS = 32
+SAVE_AT = 22  # between the syncs of steps 20 and 24, local counter at 1
+
+A, C, S, L = "allreduce", "compress_gradient", "sync_after_step", "local"
+# The schedule spec §3 gives for KWARGS (worked out by hand): variance interval 1,1,2,2,4,4,8;
+# freeze after 13; sync interval 1,1,2,2,4,4(clipped),4...
+SCHEDULE = [A, A, C, A, C, A, C, A, C, C, C, A, C,   # steps 1-13: variance phase
+            S, S, S, L, L, L, S, L, L, L, S, L, L, L, S, L, L, L, S]  # steps 14-32: local phase
+
+
+# ---------------------------------------------------------------- the simulation (spec §3)
+class ZeroOneAdamSimulation:
+    """``n`` ranks of 0/1 Adam, written from spec §3 alone; one compressed buffer per segment.
+
+    ``segments`` are lists of parameter indices (concatenated in that order); the same buffers
+    (and error feedback) serve the 1-bit gradient steps and the syncs.
+    """
+
+    def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16):
+        self.n = n
+        self.p = [[np.array(x, np.float32) for x in params] for _ in range(n)]  # per rank
+        self.m = [[np.zeros_like(x) for x in self.p[0]] for _ in range(n)]
+        self.u = [[np.zeros_like(x) for x in self.p[0]] for _ in range(n)]
+        self.lam = [0.0] * n
+        self.v = [np.zeros_like(x) for x in self.p[0]]  # only ever updated from the averaged gradient
+        self.segments = [list(s) for s in segments]
+        assert sorted(k for s in self.segments for k in s) == list(range(len(self.v))), "segments must cover all"
+        # spec §1: with n == 1 the compressed all-reduce returns its input
+        self.comm = [SpecSimulation(sum(self.v[k].size for k in s), n) for s in self.segments] if n > 1 else []
+        self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, weight_decay
+        self.F, self.vus, self.lss, self.lsc = var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
+        self.t, self.var_interval, self.var_counter, self.local_interval, self.local_counter = 0, 1, 0, 1, 0
+        self.kinds: list[str] = []
+
+    def _compressed_allreduce(self, xs):  # xs[rank][param] -> averaged [param]
+        if self.n == 1:
+            return [x.copy() for x in xs[0]]
+        out = [None] * len(self.v)
+        for seg, comm in zip(self.segments, self.comm):
+            flat = [np.concatenate([xs[r][k].ravel() for k in seg]).astype(np.float32) for r in range(self.n)]
+            avg, _ = comm.step(flat)
+            off = 0
+            for k in seg:
+                size = self.v[k].size
+                out[k] = avg[off: off + size].reshape(self.v[k].shape)
+                off += size
+        return out
+
+    def step(self, grads):  # grads[rank][param]
+        self.t += 1
+        t, n, P = self.t, self.n, len(self.v)
+        lr, b1, b2, eps, wd = self.lr, self.b1, self.b2, self.eps, self.wd
+        if t <= self.F:
+            if t % self.var_interval == 0:
+                kind = A
+                gbar = [np.mean([grads[r][k] for r in range(n)], axis=0).astype(np.float32) for k in range(P)]
+                for k in range(P):
+                    self.v[k] = b2 * self.v[k] + (1 - b2) * gbar[k] * gbar[k]
+                self.var_counter += 1
+                if self.var_counter == self.vus:
+                    self.var_counter = 0
+                    self.var_interval *= 2
+            else:
+                kind = C
+                gbar = self._compressed_allreduce(grads)
+            for r in range(n):
+                for k in range(P):
+                    self.m[r][k] = b1 * self.m[r][k] + (1 - b1) * gbar[k]
+                    self.p[r][k] = self.p[r][k] - lr * (self.m[r][k] / (np.sqrt(self.v[k]) + eps) + wd * self.p[r][k])
+        else:
+            if t == self.F + 1:  # entering the frozen phase: zero the error buffers
+                for comm in self.comm:
+                    comm.worker_error = [np.zeros_like(e) for e in comm.worker_error]
+                    comm.server_error = [np.zeros_like(e) for e in comm.server_error]
+            for r in range(n):
+                for k in range(P):
+                    self.m[r][k] = b1 * self.m[r][k] + (1 - b1) * grads[r][k]
+                    delta = lr * (self.m[r][k] / (np.sqrt(self.v[k]) + eps) + wd * self.p[r][k])
+                    self.p[r][k] = self.p[r][k] - delta
+                    self.u[r][k] = self.u[r][k] - delta
+                self.lam[r] += lr
+            kind = L
+            if t % self.local_interval == 0:
+                kind = S
+                for r in range(n):
+                    for k in range(P):
+                        self.p[r][k] = self.p[r][k] - self.u[r][k]
+                ubar = self._compressed_allreduce(
+                    [[self.u[r][k] * (np.sqrt(self.v[k]) + eps) for k in range(P)] for r in range(n)])
+                for r in range(n):
+                    for k in range(P):
+                        self.m[r][k] = -ubar[k] / self.lam[r]
+                        self.p[r][k] = self.p[r][k] + ubar[k] / (np.sqrt(self.v[k]) + eps)
+                        self.u[r][k] = np.zeros_like(self.u[r][k])
+                    self.lam[r] = 0.0
+            self.local_counter += 1
+            if self.local_counter == self.lss:
+                self.local_counter = 0
+                self.local_interval = min(self.lsc, 2 * self.local_interval)
+        self.kinds.append(kind)
+        return [[x.copy() for x in self.p[r]] for r in range(n)]
+
+
+def _assert_close(got: torch.Tensor, want: np.ndarray, where: str) -> None:
+    # 1e-5 relative to the tensor's scale: an element that crosses zero has no own scale
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=where)
+
+
+def _check_params(got: list[torch.Tensor], want: list[np.ndarray], where: str) -> None:
+    for k, (g, w) in enumerate(zip(got, want)):
+        _assert_close(g, w, f"{where}, parameter {k}")
+    # Parameter 1's first 50 coordinates never get a gradient, so v = 0 there and the 1-bit
+    # noise moves them by ~lr·m/eps (spec §3 has no mask); they dominate the tensor's scale, so
+    # check the rest at its own scale too.
+    _assert_close(got[1][50:], want[1][50:], f"{where}, parameter 1 beyond the zero-gradient rows")
+
+
+def _initial_params():
+    torch.manual_seed(0)
+    return [p.detach().clone() for p in FixedGradModel().parameters()]
+
+
+def _grads(step, world_size):
+    return [[g.numpy() for g in fixed_grads(step, r)] for r in range(world_size)]
+
+
+# ---------------------------------------------------------------- distributed: 2 and 4 ranks
+# A second configuration that freezes before any 1-bit step: the first sync then builds its own
+# compressed buffers in step() (segments_covering_all: parameter order, one buffer up to 25 MB).
+EARLY_KWARGS = dict(KWARGS, var_freeze_step=2, var_update_scaler=16)
+EARLY_STEPS = 12
+
+
+def _two_configurations(rank, world_size, save_dir):
+    """One process start-up for both configurations (start-up dominates the run time)."""
+    main = train(rank, world_size, OPT, KWARGS, STEPS, save_dir, SAVE_AT if save_dir else None, None, 0.01, 0, True)
+    early = train(rank, world_size, OPT, EARLY_KWARGS, EARLY_STEPS, record_steps=True)
+    return {"main": main, "early": early}
+
+
+def _check_against_simulation(outs, kwargs, steps, world_size) -> list[str]:
+    """Every rank, every step: the spec simulation's parameters and plan; bitwise agreement."""
+    segments = outs[0]["segments"]
+    assert all(o["segments"] == segments for o in outs)
+    assert sorted(k for s in segments for k in s) == list(range(len(_initial_params())))
+    sim = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], world_size, segments, **kwargs)
+    for step in range(1, steps + 1):
+        expected = sim.step(_grads(step, world_size))
+        kind = sim.kinds[-1]
+        for r in range(world_size):
+            assert outs[r]["steps"][step - 1]["plan"] == kind, (step, r)
+            _check_params(outs[r]["history"][step - 1], expected[r], f"step {step} ({kind}), rank {r}")
+        mine = [outs[r]["history"][step - 1] for r in range(world_size)]
+        if kind != L:  # every variance-phase step and every sync: bitwise identical on all ranks
+            for r in range(1, world_size):
+                assert all(torch.equal(a, b) for a, b in zip(mine[r], mine[0])), (step, r)
+        else:  # local steps really are local
+            assert not all(torch.equal(a, b) for a, b in zip(mine[1], mine[0])), step
+    # traffic: what each kind of step sends
+    nseg = len(segments)
+    for r in range(world_size):
+        for step, rec in enumerate(outs[r]["steps"], start=1):
+            kind = rec["plan"]
+            if kind == L:
+                assert rec["rounds"] == 0 and rec["bytes_sent"] == 0, step
+            elif kind in (C, S):  # 3 rounds per compressed buffer, ~32x less than fp32
+                assert rec["rounds"] == 3 * nseg, step
+                assert rec["fp32_equivalent"] > 16 * rec["bytes_sent"], step
+            else:
+                assert rec["rounds"] >= 1 and rec["bytes_sent"] == rec["fp32_equivalent"] > 0, step
+    return sim.kinds
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_phase_matches_the_spec(world_size, tmp_path):
+    resume = world_size == 2  # the resume path does not depend on the world size: save a start-up
+    outs = run_distributed(_two_configurations, world_size, str(tmp_path) if resume else None)
+
+    main = [o["main"] for o in outs]
+    assert len(main[0]["segments"]) > 1, "the test wants several DDP buckets"
+    assert _check_against_simulation(main, KWARGS, STEPS, world_size) == SCHEDULE
+    local_phase = main[0]["steps"][KWARGS["var_freeze_step"]:]
+    communicating = [rec for rec in local_phase if rec["rounds"]]
+    assert len(communicating) == SCHEDULE.count(S) < len(local_phase)
+    stats = main[0]["stats"]
+    assert stats["phase"] == "local_steps" and stats["step"] == STEPS
+    assert stats["compression_ratio"] > 1
+
+    early = [o["early"] for o in outs]
+    assert early[0]["segments"] == [tuple(range(len(_initial_params())))]
+    kinds = _check_against_simulation(early, EARLY_KWARGS, EARLY_STEPS, world_size)
+    assert kinds[:3] == [A, A, S] and L in kinds
+
+    if not resume:
+        return
+    # resume from the checkpoint taken after step SAVE_AT (between two syncs), in new processes
+    resumed = run_distributed(train, world_size, OPT, KWARGS, STEPS - SAVE_AT, None, None, str(tmp_path), 0.01,
+                              SAVE_AT, True)
+    for r in range(world_size):
+        for k, params in enumerate(resumed[r]["history"]):
+            full = main[r]["history"][SAVE_AT + k]
+            assert all(torch.equal(a, b) for a, b in zip(params, full)), (r, SAVE_AT + 1 + k)
+        assert [rec["plan"] for rec in resumed[r]["steps"]] == SCHEDULE[SAVE_AT:]
+    # onebit_stats() of the resumed run covers local-phase steps only: 3 syncs in 10 steps, each
+    # 3 rounds per compressed buffer
+    nseg = len(main[0]["segments"])
+    rstats = resumed[0]["stats"]
+    assert rstats["rounds"] == 3 * nseg * SCHEDULE[SAVE_AT:].count(S)
+    assert rstats["rounds"] // (3 * nseg) < STEPS - SAVE_AT
+
+
+# ---------------------------------------------------------------- one process (no DDP)
+def _train_one_process(steps, opt=None, model=None, start=0, dtype=torch.float32, save_at=None):
+    from hf_onebit.optim.zeroone_adam import ZeroOneAdam
+
+    if model is None:
+        torch.manual_seed(0)
+        model = FixedGradModel().to(dtype)
+        opt = ZeroOneAdam(model.parameters(), **KWARGS)
+    history, saved = [], None
+    for step in range(start + 1, start + steps + 1):
+        for p, g in zip(model.parameters(), fixed_grads(step, 0)):
+            p.grad = g.to(dtype)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        history.append([p.detach().clone() for p in model.parameters()])
+        if step == save_at:
+            saved = []
+            for obj in (model.state_dict(), opt.state_dict(), opt.rank_state_dict()):
+                buf = io.BytesIO()
+                torch.save(obj, buf)
+                saved.append(buf.getvalue())
+    return history, opt, saved
+
+
+def test_one_process_matches_the_spec_and_resumes():
+    history, opt, saved = _train_one_process(STEPS, save_at=SAVE_AT)
+    sim = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 1, [list(range(5))], **KWARGS)
+    for step in range(1, STEPS + 1):
+        expected = sim.step(_grads(step, 1))
+        _check_params(history[step - 1], expected[0], f"step {step} ({sim.kinds[-1]})")
+    assert sim.kinds == SCHEDULE
+    assert opt.onebit_stats()["rounds"] == 0 and opt._segments == {}
+    assert opt.phase() == "local_steps"
+
+    from hf_onebit.optim.zeroone_adam import ZeroOneAdam
+
+    torch.manual_seed(1)
+    model = FixedGradModel()
+    model.load_state_dict(torch.load(io.BytesIO(saved[0]), weights_only=True))
+    opt2 = ZeroOneAdam(model.parameters(), **KWARGS)
+    opt2.load_state_dict(torch.load(io.BytesIO(saved[1]), weights_only=True))
+    opt2.load_rank_state_dict(torch.load(io.BytesIO(saved[2]), weights_only=True))
+    assert (opt2.local_interval, opt2.local_counter, opt2.var_interval) == (4, 1, 8)
+    resumed, _, _ = _train_one_process(STEPS - SAVE_AT, opt2, model, start=SAVE_AT)
+    for a, b in zip(resumed[-1], history[-1]):
+        assert torch.equal(a, b)
+
+
+def test_rank_state_needs_the_optimizer_state_first():
+    from hf_onebit.optim.zeroone_adam import ZeroOneAdam
+
+    _, _, saved = _train_one_process(16, save_at=15)
+    model = FixedGradModel()
+    opt = ZeroOneAdam(model.parameters(), **KWARGS)
+    with pytest.raises(ValueError, match="load_state_dict"):
+        opt.load_rank_state_dict(torch.load(io.BytesIO(saved[2]), weights_only=True))
+
+
+def test_bf16_parameters_keep_fp32_state_through_a_checkpoint():
+    from hf_onebit.optim.zeroone_adam import ZeroOneAdam
+
+    history, opt, _ = _train_one_process(16, dtype=torch.bfloat16)  # through the freeze
+    assert all(p.dtype == torch.bfloat16 and torch.isfinite(p.float()).all() for p in history[-1])
+    keys = ("exp_avg", "exp_avg_sq", "momentum_accumulator")
+    for st in opt.state.values():
+        assert all(st[k].dtype == torch.float32 for k in keys)
+    model = FixedGradModel().to(torch.bfloat16)
+    opt2 = ZeroOneAdam(model.parameters(), **KWARGS)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    opt2.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    for p, q in zip(opt.params_in_order(), opt2.params_in_order()):
+        for k in keys:
+            assert opt2.state[q][k].dtype == torch.float32
+            assert torch.equal(opt2.state[q][k], opt.state[p][k])
+
+
+# ---------------------------------------------------------------- construction
+@pytest.mark.parametrize("bad, match", [
+    (dict(var_update_scaler=0), "var_update_scaler must be an integer >= 1"),
+    (dict(local_step_scaler=0), "local_step_scaler must be an integer >= 1"),
+    (dict(local_step_clipper=0), "local_step_clipper must be an integer >= 1"),
+    (dict(local_step_clipper=2.5), "local_step_clipper"),
+    (dict(var_update_scaler=True), "var_update_scaler"),
+    (dict(var_freeze_step=-1), "var_freeze_step"),
+    (dict(var_freeze_step=10.0), "var_freeze_step"),
+    (dict(lr=-1.0), "lr"),
+    (dict(eps=-1e-8), "eps"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(betas=(1.0, 0.999)), "betas"),
+    (dict(betas=(0.9, -0.1)), "betas"),
+])
+def test_construction_errors(bad, match):
+    from hf_onebit.optim.zeroone_adam import ZeroOneAdam
+
+    with pytest.raises(ValueError, match=match):
+        ZeroOneAdam([torch.nn.Parameter(torch.zeros(3))], **bad)
+
+
+def test_defaults_are_deepspeeds():
+    from hf_onebit.optim.zeroone_adam import ZeroOneAdam
+
+    opt = ZeroOneAdam([torch.nn.Parameter(torch.zeros(3))])
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 0.0)
+    assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler, opt.local_step_clipper) == (
+        100000, 16, 32678, 16)
+    assert opt.phase() == "variance" and opt.plan().value == A
