@@ -21,7 +21,7 @@ class ZeroGradientMasks:
     auto_mask: bool = True
 
     def set_mask(self, p: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Override the compression mask of ``p`` (1 = keep, 0 = force the momentum to zero).
+        """Override the compression mask of ``p`` (True/1 = keep, False/0 = keep the momentum at zero).
 
         ``None`` removes any mask. An explicit mask is never replaced by ``auto_mask``.
         """
@@ -31,7 +31,7 @@ class ZeroGradientMasks:
         else:
             if mask.shape != p.shape:
                 raise ValueError(f"mask shape {tuple(mask.shape)} does not match parameter shape {tuple(p.shape)}")
-            state["mask"] = mask.to(device=p.device, dtype=torch.float32)
+            state["mask"] = mask.to(device=p.device, dtype=torch.bool)
         state["mask_explicit"] = True
         state.pop("nonzero", None)
 
@@ -56,7 +56,7 @@ class ZeroGradientMasks:
                 continue
             nonzero = nonzero.bool()
             if not bool(nonzero.all()):
-                state["mask"] = nonzero.to(torch.float32)
+                state["mask"] = nonzero  # bool: 1 byte per coordinate
                 masked += int((~nonzero).sum())
         if masked and self.rank == 0:
             logger.warning("hf_onebit: masking %d coordinates whose gradient was zero on every warmup step", masked)
