@@ -122,6 +122,8 @@ class CompressedAllReduce:
         if x.numel() != self.numel:
             raise ValueError(f"this state compresses {self.numel} elements, got a buffer of {x.numel()}")
         out = x if out is None else out
+        if not out.is_contiguous():
+            raise ValueError("the compressed all-reduce writes its result into a contiguous tensor; got a strided `out`")
         if self.world_size == 1:
             if out is not x:
                 out.copy_(x)
@@ -151,7 +153,7 @@ class CompressedAllReduce:
         rows = self._gathered.view(n, 4 + self.chunk // 8)
         self._gathered_scales.copy_(rows[:, :4])
         self._gathered_bits.copy_(rows[:, 4:])
-        k.unpack_scaled(self._gathered_bits, self._gathered_scales.view(torch.float32).reshape(n), out.reshape(-1))
+        k.unpack_scaled(self._gathered_bits, self._gathered_scales.view(torch.float32).reshape(n), out.view(-1))
 
         self.stats.record(self.bytes_per_call())
         return out

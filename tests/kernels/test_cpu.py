@@ -1,0 +1,326 @@
+"""The numba CPU backend must compute what the reference computes (spec §1).
+
+Bits, error buffers and unpacked outputs are compared bitwise; scales (float64 sums of squares
+accumulated in a different order) to 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_onebit.kernels import cpu, get_backend
+from hf_onebit.kernels import reference as ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+WORLD_SIZES = [1, 2, 4]
+LENGTHS = [0, 1, 7, 8, 9, 1000, 2**20 + 3]
+
+
+def padded_length(numel: int, n: int) -> int:
+    align = 8 * n
+    return -(-numel // align) * align
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal bytes (so NaN payloads and the sign of zero count too)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    a = actual.contiguous().reshape(-1).view(torch.uint8)
+    e = expected.contiguous().reshape(-1).view(torch.uint8)
+    if not torch.equal(a, e):
+        bad = (a != e).nonzero()[:5].reshape(-1).tolist()
+        raise AssertionError(f"{(a != e).sum().item()} bytes differ, first at byte offsets {bad}")
+
+
+def assert_scale_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == torch.float32 and actual.dim() == 0
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=0.0)
+
+
+def test_backend_selection():
+    assert get_backend("cpu") is cpu
+    assert set(ref.__all__) <= set(cpu.__all__)
+
+
+# ------------------------------------------------------------------------------------------
+# Worker operations
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("numel", LENGTHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_worker_ops_match_reference_over_20_steps(dtype, numel, n):
+    gen = torch.Generator().manual_seed(numel * 10 + n)
+    length = padded_length(numel, n)
+    rank = n - 1
+    err_cpu = torch.zeros(length)
+    err_ref = torch.zeros(length)
+    bits_cpu = torch.full((length // 8,), 0xAA, dtype=torch.uint8)
+    bits_ref = torch.empty(length // 8, dtype=torch.uint8)
+    others = torch.rand(n, generator=gen) + 0.5  # the other ranks' scales
+    # 20 steps of error feedback; the 1M-element buffer (there for the block boundaries) gets
+    # fewer because the reference's allocations make it the slowest part of this file.
+    steps = 20 if numel < 2**20 else 8
+    for step in range(steps):
+        x = (torch.randn(numel, generator=gen) * (1 + step)).to(dtype)
+        s_cpu = cpu.worker_scale(x, err_cpu)
+        s_ref = ref.worker_scale(x, err_ref)
+        assert_scale_close(s_cpu, s_ref)
+        if length:
+            assert s_ref > 0
+        # Both packs get the same scales, so a one-ulp difference in a scale cannot flip a
+        # bit several steps later; each backend keeps feeding its own error back in.
+        scales = others.clone()
+        scales[rank] = s_ref
+        cpu.worker_pack(x, err_cpu, scales, rank, bits_cpu)
+        ref.worker_pack(x, err_ref, scales, rank, bits_ref)
+        assert_bitwise_equal(bits_cpu, bits_ref)
+        assert_bitwise_equal(err_cpu, err_ref)
+    if numel > 8:  # the error feedback actually did something
+        assert err_cpu.abs().max() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_every_16_bit_input_pattern_is_decoded_exactly(dtype):
+    # With scale 0 the new error is y - (±0) = y = fp32(x) + 0: the decoded input, bitwise.
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    error = torch.zeros(x.numel())
+    bits = torch.empty(x.numel() // 8, dtype=torch.uint8)
+    bits_ref = torch.empty_like(bits)
+    cpu.worker_pack(x, error, torch.zeros(1), 0, bits)
+    ref.worker_pack(x, torch.zeros(x.numel()), torch.zeros(1), 0, bits_ref)
+    assert_bitwise_equal(error, x.float() + 0.0)
+    assert_bitwise_equal(bits, bits_ref)
+
+
+def test_worker_inputs_of_other_layouts_and_dtypes():
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(2 * 1000 + 1, generator=gen, dtype=torch.float64)
+    for x in (base[::2], base[:1000].reshape(10, 100)):  # strided, 2-D; float64
+        error = torch.randn(1008, generator=gen)
+        e_ref = error.clone()
+        assert_scale_close(cpu.worker_scale(x, error), ref.worker_scale(x, e_ref))
+        bits, bits_ref = torch.empty(126, dtype=torch.uint8), torch.empty(126, dtype=torch.uint8)
+        scales = torch.tensor([0.7])
+        cpu.worker_pack(x, error, scales, 0, bits)
+        ref.worker_pack(x, e_ref, scales, 0, bits_ref)
+        assert_bitwise_equal(bits, bits_ref)
+        assert_bitwise_equal(error, e_ref)
+
+
+def test_sign_conventions():
+    # zero -> bit 1 (+1), -0.0 -> bit 1, negative -> 0, NaN -> 0; MSB first.
+    x = torch.tensor([0.0, -0.0, -1.0, float("nan"), 2.0, -3.0, 1e-30, -1e-30])
+    bits = torch.empty(1, dtype=torch.uint8)
+    cpu.worker_pack(x, torch.zeros(8), torch.ones(1), 0, bits)
+    assert bits.item() == 0b11001010
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_in_x_leaves_error_untouched(dtype):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1000, generator=gen)
+    x[123] = float("nan")
+    x = x.to(dtype)
+    error = torch.randn(1008, generator=gen)
+    before = error.clone()
+    s = cpu.worker_scale(x, error)
+    assert torch.isnan(s) and torch.isnan(ref.worker_scale(x, before.clone()))
+    bits = torch.empty(126, dtype=torch.uint8)
+    bits_ref = torch.empty(126, dtype=torch.uint8)
+    scales = torch.stack([torch.tensor(1.0), s])
+    cpu.worker_pack(x, error, scales, 1, bits)
+    ref.worker_pack(x, before.clone(), scales, 1, bits_ref)
+    assert_bitwise_equal(error, before)
+    assert_bitwise_equal(bits, bits_ref)  # the bits are still written (the NaN gives 0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_scale_of_another_rank_leaves_error_untouched(bad):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, generator=gen)
+    error = torch.randn(64, generator=gen)
+    before = error.clone()
+    bits = torch.empty(8, dtype=torch.uint8)
+    bits_ref = torch.empty(8, dtype=torch.uint8)
+    scales = torch.tensor([0.5, bad, 0.25])
+    cpu.worker_pack(x, error, scales, 0, bits)
+    ref.worker_pack(x, before.clone(), scales, 0, bits_ref)
+    assert_bitwise_equal(error, before)
+    assert_bitwise_equal(bits, bits_ref)
+    # ... and with all scales finite the same call does update it
+    cpu.worker_pack(x, error, torch.tensor([0.5, 1.0, 0.25]), 0, bits)
+    assert not torch.equal(error, before)
+
+
+def test_empty_buffer():
+    error = torch.zeros(0)
+    bits = torch.empty(0, dtype=torch.uint8)
+    s = cpu.worker_scale(torch.zeros(0), error)
+    assert s.dtype == torch.float32 and s.dim() == 0 and s.item() == 0.0
+    cpu.worker_pack(torch.zeros(0), error, torch.zeros(1), 0, bits)
+    rows = torch.empty(2, 0, dtype=torch.uint8)
+    assert cpu.server_scale(rows, torch.ones(2), torch.zeros(0)).item() == 0.0
+    cpu.server_pack(rows, torch.ones(2), torch.zeros(0), torch.tensor(1.0), bits)
+    assert cpu.server_average(rows, torch.ones(2)).numel() == 0
+    cpu.unpack_scaled(rows, torch.ones(2), torch.empty(0))
+
+
+def test_bad_arguments_are_refused():
+    x = torch.randn(16)
+    with pytest.raises(TypeError):
+        cpu.worker_scale(x, torch.zeros(16, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        cpu.worker_pack(x, torch.zeros(32)[::2], torch.ones(1), 0, torch.empty(2, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        cpu.worker_pack(x, torch.zeros(16), torch.ones(1), 0, torch.empty(3, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        cpu.worker_scale(torch.randn(17), torch.zeros(16))
+    with pytest.raises(ValueError):
+        cpu.server_scale(torch.zeros(2, 2, dtype=torch.uint8), torch.ones(3), torch.zeros(16))
+    with pytest.raises(ValueError):
+        cpu.unpack_scaled(torch.zeros(2, 2, dtype=torch.uint8), torch.ones(2), torch.empty(33))
+
+
+# ------------------------------------------------------------------------------------------
+# Server operations
+# ------------------------------------------------------------------------------------------
+
+SERVER_CHUNKS = [0, 8, 64, 8000, 2**17 + 8]
+
+
+@pytest.mark.parametrize("chunk", SERVER_CHUNKS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])  # 3: the division by n is not a power of two
+def test_server_ops_match_reference(n, chunk):
+    gen = torch.Generator().manual_seed(chunk + n)
+    err_cpu = torch.zeros(chunk)
+    err_ref = torch.zeros(chunk)
+    out_cpu = torch.empty(chunk // 8, dtype=torch.uint8)
+    out_ref = torch.empty(chunk // 8, dtype=torch.uint8)
+    for step in range(5):
+        bits = torch.randint(0, 256, (n, chunk // 8), dtype=torch.uint8, generator=gen)
+        scales = torch.rand(n, generator=gen) * (step + 1)
+        if step == 1:
+            scales[0] = 0.0  # ±0.0 terms: the +0.0 start of the sum matters bitwise
+        assert_bitwise_equal(cpu.server_average(bits, scales), ref.server_average(bits, scales))
+        t_cpu = cpu.server_scale(bits, scales, err_cpu)
+        t_ref = ref.server_scale(bits, scales, err_ref)
+        assert_scale_close(t_cpu, t_ref)
+        cpu.server_pack(bits, scales, err_cpu, t_ref, out_cpu)
+        ref.server_pack(bits, scales, err_ref, t_ref, out_ref)
+        assert_bitwise_equal(out_cpu, out_ref)
+        assert_bitwise_equal(err_cpu, err_ref)
+    if chunk and n > 1:
+        assert err_cpu.abs().max() > 0
+
+
+def test_server_average_sums_in_rank_order():
+    # 1e8 + 1 - 1e8 in fp32 is 0, (1e8 - 1e8) + 1 would be 1: the order is observable.
+    scales = torch.tensor([1e8, 1.0, 1e8])
+    bits = torch.tensor([[0xFF], [0xFF], [0x00]], dtype=torch.uint8)
+    avg = cpu.server_average(bits, scales)
+    assert_bitwise_equal(avg, ref.server_average(bits, scales))
+    assert avg[0].item() == 0.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_server_pack_with_non_finite_scale_leaves_error_untouched(bad):
+    gen = torch.Generator().manual_seed(4)
+    bits = torch.randint(0, 256, (2, 100), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(2, generator=gen)
+    err = torch.randn(800, generator=gen)
+    before = err.clone()
+    out = torch.empty(100, dtype=torch.uint8)
+    out_ref = torch.empty(100, dtype=torch.uint8)
+    cpu.server_pack(bits, scales, err, torch.tensor(bad), out)
+    ref.server_pack(bits, scales, before.clone(), torch.tensor(bad), out_ref)
+    assert_bitwise_equal(err, before)
+    assert_bitwise_equal(out, out_ref)
+
+
+def test_server_ops_with_a_non_finite_worker_scale():
+    gen = torch.Generator().manual_seed(5)
+    bits = torch.randint(0, 256, (2, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.tensor([float("nan"), 1.0])
+    err = torch.randn(128, generator=gen)
+    before = err.clone()
+    t = cpu.server_scale(bits, scales, err)
+    assert torch.isnan(t)
+    out = torch.empty(16, dtype=torch.uint8)
+    out_ref = torch.empty(16, dtype=torch.uint8)
+    cpu.server_pack(bits, scales, err, t, out)
+    ref.server_pack(bits, scales, before.clone(), t, out_ref)
+    assert_bitwise_equal(err, before)
+    assert_bitwise_equal(out, out_ref)
+
+
+# ------------------------------------------------------------------------------------------
+# Decompression
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("n", WORLD_SIZES + [3])
+def test_unpack_scaled_matches_reference(out_dtype, n):
+    gen = torch.Generator().manual_seed(n)
+    chunk = 8 * 1000
+    bits = torch.randint(0, 256, (n, chunk // 8), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(n, generator=gen) * 3
+    for numel in (n * chunk, n * chunk - 5, chunk - 3, 11, 0):
+        out = torch.full((numel,), 7.0, dtype=out_dtype)
+        expected = torch.full((numel,), 7.0, dtype=out_dtype)
+        cpu.unpack_scaled(bits, scales, out)
+        ref.unpack_scaled(bits, scales, expected)
+        assert_bitwise_equal(out, expected)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_unpack_scaled_rounds_like_torch(out_dtype):
+    # Halfway cases (round to even, both directions), overflow, subnormals, NaN, ±0, inf.
+    values = [
+        1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-12 + 2**-20,
+        65520.0, 1e5, 3e-8, 1e-40, 0.0, -0.0, float("inf"), float("nan"), 3.4e38,
+    ]
+    scales = torch.tensor(values, dtype=torch.float32)
+    n = scales.numel()
+    bits = torch.tensor([[0b10110010]] * n, dtype=torch.uint8)
+    out = torch.empty(8 * n, dtype=out_dtype)
+    cpu.unpack_scaled(bits, scales, out)
+    signs = torch.tensor([1, -1, 1, 1, -1, -1, 1, -1], dtype=torch.float32)
+    expected = (scales.reshape(-1, 1) * signs).reshape(-1).to(out_dtype)
+    assert_bitwise_equal(out, expected)
+
+
+def test_unpack_scaled_into_a_view_writes_through():
+    bits = torch.tensor([[0xF0], [0x0F]], dtype=torch.uint8)
+    big = torch.zeros(20)
+    cpu.unpack_scaled(bits, torch.tensor([1.0, 2.0]), big[2:18])
+    assert big[:2].tolist() == [0, 0] and big[18:].tolist() == [0, 0]
+    assert big[2:18].tolist() == [1, 1, 1, 1, -1, -1, -1, -1, -2, -2, -2, -2, 2, 2, 2, 2]
+
+
+def test_all_256_byte_patterns_round_trip():
+    # Unpack every byte value, pack the result again: exercises both multiply tricks fully.
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(1, 256)
+    signs = torch.empty(2048)
+    cpu.unpack_scaled(bits, torch.ones(1), signs)
+    assert_bitwise_equal(signs, ref.unpack_signs(bits).reshape(-1))
+    packed = torch.empty(256, dtype=torch.uint8)
+    cpu.worker_pack(signs, torch.zeros(2048), torch.ones(1), 0, packed)
+    assert_bitwise_equal(packed, bits.reshape(-1))
+    z = torch.zeros(2048)  # server side: n = 1 row, zero error, so z = the signs
+    cpu.server_pack(bits, torch.ones(1), z, torch.tensor(1.0), packed)
+    assert_bitwise_equal(packed, bits.reshape(-1))
+
+
+def test_unpack_scaled_into_a_strided_out():
+    bits = torch.randint(0, 256, (2, 10), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    scales = torch.tensor([0.5, 3.0])
+    big = torch.zeros(20, 8)
+    cpu.unpack_scaled(bits, scales, big[:, 1])  # a strided column: must be written through
+    expected = torch.empty(20)
+    ref.unpack_scaled(bits, scales, expected)
+    assert_bitwise_equal(big[:, 1].contiguous(), expected)
+    big[:, 1] = 0
+    assert big.abs().max() == 0  # nothing outside the column was touched
