@@ -5,6 +5,7 @@
     hf_onebit.attach(ddp, opt)
 """
 
+from hf_onebit.checkpoint import load_rank_state, save_rank_state
 from hf_onebit.hook import OneBitHookState, attach, onebit_hook
 from hf_onebit.optim import BinSGDM, OneBitAdam, OneBitLamb, OneBitOptimizer, Plan, ZeroOneAdam
 
@@ -19,5 +20,7 @@ __all__ = [
     "Plan",
     "ZeroOneAdam",
     "attach",
+    "load_rank_state",
     "onebit_hook",
+    "save_rank_state",
 ]

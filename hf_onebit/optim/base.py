@@ -466,6 +466,15 @@ class OneBitOptimizer(torch.optim.Optimizer):
             "layout": list(self._layout),
         }
 
+    def reset_rank_state(self) -> None:
+        """Start this rank's own state afresh (error buffers zero); shared state is kept.
+
+        For resuming when the per-rank state is missing or unusable (e.g. another world size):
+        see :func:`hf_onebit.checkpoint.load_rank_state`. Subclasses extend it.
+        """
+        self._segments.clear()
+        self._pending_rank_state = None
+
     def load_rank_state_dict(self, state: dict) -> None:
         """Restore :meth:`rank_state_dict` output; segments are rebuilt lazily as buckets arrive."""
         if state["world_size"] != self.world_size:
@@ -475,6 +484,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
             )
         self._segments.clear()
         pending: dict = dict(state["segments"])
+        covered = set().union(*pending) if pending else set()
         for key in state.get("layout", []):
-            pending.setdefault(tuple(key), None)  # a layout without error state yet
+            if not covered & set(key):  # a layout for parameters that have no error state yet
+                pending.setdefault(tuple(key), None)
         self._pending_rank_state = {"segments": pending}

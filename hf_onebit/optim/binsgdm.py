@@ -469,6 +469,19 @@ class BinSGDM(OneBitOptimizer):
         sd["binsgdm"] = {"seed": self.seed, "params": params}
         return sd
 
+    def reset_rank_state(self) -> None:
+        """Error state (none here) and this rank's ``m, b`` start from zero."""
+        super().reset_rank_state()
+        for p in self.params_in_order():
+            s = self.state.get(p)
+            if s:
+                s.pop("momentum", None)
+                s.pop("abs_momentum", None)
+        self._next.clear()
+        self._pending_t.clear()
+        self._loaded_vote_state = None
+        self._warned_fresh = True  # the caller already warned about the reset
+
     def load_rank_state_dict(self, state: dict) -> None:
         """Restore :meth:`rank_state_dict` output of *this* rank; applied lazily at first use."""
         super().load_rank_state_dict(state)

@@ -211,6 +211,25 @@ class ZeroOneAdam(OneBitOptimizer):
             sd["local"] = local
         return sd
 
+    def reset_rank_state(self) -> None:
+        """Error buffers zero; in the local phase, start a fresh sync interval from the current
+        parameters (those of the model checkpoint, identical on every rank after DDP's broadcast):
+        the last synced point becomes ``p``, the accumulator and ``λ`` become zero."""
+        super().reset_rank_state()
+        if self.steps_done <= self.var_freeze_step:
+            return
+        with torch.no_grad():
+            for p in self.params_in_order():
+                state = self.state.get(p)
+                if not state:
+                    continue
+                if "synced_param" in state:
+                    state["synced_param"].copy_(p)
+                if "momentum_accumulator" in state:
+                    state["momentum_accumulator"].zero_()
+                if "lr_sum" in state:
+                    state["lr_sum"] = 0.0
+
     def load_rank_state_dict(self, state: dict) -> None:
         """Restore :meth:`rank_state_dict` output, including this rank's own parameters.
 

@@ -1,0 +1,139 @@
+"""Per-rank compression state on disk: one file per rank, verified before it is read.
+
+Optimizer state that is identical on every rank travels in ``optimizer.state_dict()`` (rank 0
+saves it, as usual). State that differs per rank (error-feedback buffers, 0/1 Adam's local
+parameters and accumulators, BinSGDM's local moments) is saved by *every* rank next to the
+checkpoint::
+
+    <dir>/hf_onebit_rank{r}_of{n}.pt     the tensors (read with torch.load(weights_only=True))
+    <dir>/hf_onebit_rank{r}_of{n}.json   what it is: format, optimizer, rank, world size, step, sha256
+
+Loading checks the JSON against this run and the SHA-256 of the ``.pt`` file before touching it,
+so a corrupt, modified or foreign file is refused with an error that names it; nothing in it is
+ever executed (``weights_only=True`` unpickles tensors and plain containers only).
+
+Policies when the file cannot be used as is (``on_mismatch``):
+
+* ``"error"`` (default): stop with an error that says what is wrong and how to override.
+* ``"reset"``: start this rank's compression state afresh (a warning says so): error buffers
+  zero, 0/1 Adam accumulators empty and its parameters those of the model checkpoint, BinSGDM
+  moments zero. Moments and the frozen variance from ``state_dict()`` are kept. This is also the
+  policy for resuming on a different world size, where error buffers cannot be re-split
+  meaningfully (each rank's server error belongs to a chunk that no longer exists).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from typing import Literal
+
+import torch
+
+from hf_onebit.optim.base import OneBitOptimizer, logger
+
+FORMAT_VERSION = 1
+
+
+def rank_state_paths(directory: str, rank: int, world_size: int) -> tuple[str, str]:
+    """Paths of the tensor file and its JSON description for ``rank`` of ``world_size``."""
+    stem = os.path.join(directory, f"hf_onebit_rank{rank}_of{world_size}")
+    return stem + ".pt", stem + ".json"
+
+
+def save_rank_state(optimizer: OneBitOptimizer, directory: str) -> str:
+    """Write this rank's state into ``directory`` (every rank calls this); returns the path."""
+    os.makedirs(directory, exist_ok=True)
+    rank, world = optimizer.rank, optimizer.world_size
+    pt_path, json_path = rank_state_paths(directory, rank, world)
+    buf = io.BytesIO()
+    torch.save(optimizer.rank_state_dict(), buf)
+    data = buf.getvalue()
+    meta = {
+        "format": FORMAT_VERSION,
+        "optimizer": type(optimizer).__name__,
+        "rank": rank,
+        "world_size": world,
+        "steps_done": optimizer.steps_done,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": len(data),
+    }
+    for path, payload, mode in ((pt_path, data, "wb"), (json_path, json.dumps(meta, indent=1), "w")):
+        tmp = path + ".tmp"
+        with open(tmp, mode) as f:
+            f.write(payload)
+        os.replace(tmp, path)  # atomic: a crash mid-write never leaves a half file behind
+    return pt_path
+
+
+class RankStateError(RuntimeError):
+    """A per-rank state file is missing, foreign, corrupt or from another run shape."""
+
+
+def _verified_state(optimizer: OneBitOptimizer, pt_path: str, json_path: str) -> dict:
+    try:
+        with open(json_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise RankStateError(f"cannot read {json_path}: {exc}") from exc
+    expected = {
+        "format": FORMAT_VERSION,
+        "optimizer": type(optimizer).__name__,
+        "rank": optimizer.rank,
+        "world_size": optimizer.world_size,
+    }
+    for key, want in expected.items():
+        if meta.get(key) != want:
+            raise RankStateError(f"{json_path} is for {key}={meta.get(key)!r}, this run has {key}={want!r}")
+    with open(pt_path, "rb") as f:
+        data = f.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != meta.get("sha256"):
+        raise RankStateError(
+            f"{pt_path} does not match its checksum in {json_path} (sha256 {digest[:12]}… != "
+            f"{str(meta.get('sha256'))[:12]}…): the file is corrupt or was modified; refusing to load it"
+        )
+    if meta.get("steps_done") != optimizer.steps_done:
+        raise RankStateError(
+            f"{pt_path} was saved after step {meta.get('steps_done')}, but the optimizer is at step"
+            f" {optimizer.steps_done}: load optimizer.state_dict() from the same checkpoint first"
+        )
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not our file"
+        raise RankStateError(f"{pt_path} is not a valid hf_onebit state file: {exc}") from exc
+
+
+def load_rank_state(
+    optimizer: OneBitOptimizer,
+    directory: str,
+    on_mismatch: Literal["error", "reset"] = "error",
+) -> bool:
+    """Restore this rank's state from ``directory``; returns True if it was loaded, False if reset.
+
+    Call it after ``optimizer.load_state_dict(...)`` and after :func:`hf_onebit.attach`.
+    """
+    if on_mismatch not in ("error", "reset"):
+        raise ValueError(f"on_mismatch must be 'error' or 'reset', got {on_mismatch!r}")
+    rank, world = optimizer.rank, optimizer.world_size
+    pt_path, json_path = rank_state_paths(directory, rank, world)
+    try:
+        if not os.path.exists(pt_path):
+            others = sorted(f for f in os.listdir(directory) if f.startswith("hf_onebit_rank")) if os.path.isdir(directory) else []
+            if others:
+                raise RankStateError(
+                    f"no per-rank state for rank {rank} of {world} in {directory} (found: {', '.join(others[:4])});"
+                    " resuming on another world size cannot reuse error buffers"
+                )
+            raise RankStateError(f"no per-rank state for rank {rank} of {world}: {pt_path} is missing")
+        state = _verified_state(optimizer, pt_path, json_path)
+    except RankStateError as exc:
+        if on_mismatch == "error":
+            raise RankStateError(f"{exc}. To start this rank's compression state afresh instead, pass on_mismatch='reset'.") from exc
+        logger.warning("hf_onebit: %s; starting rank %d's compression state afresh (on_mismatch='reset')", exc, rank)
+        optimizer.reset_rank_state()
+        return False
+    optimizer.load_rank_state_dict(state)
+    return True
