@@ -92,5 +92,50 @@ def attach(
     if optimizer.world_size == 1:
         logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
         return None
+    _check_same_on_every_rank(optimizer, ddp_model.process_group)
     ddp_model.register_comm_hook(state, onebit_hook)
     return state
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> Optional[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if key not in a or key not in b:
+                return f"{path}{key}"
+            found = _first_difference(a[key], b[key], f"{path}{key}.")
+            if found:
+                return found
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}<length {len(a)} vs {len(b)}>"
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = _first_difference(x, y, f"{path}{i}.")
+            if found:
+                return found
+        return None
+    return None if a == b else path.rstrip(".")
+
+
+def _lookup(tree: Any, path: str) -> Any:
+    for part in path.split("."):
+        if part.startswith("<"):
+            return None
+        tree = tree[int(part)] if isinstance(tree, list) else tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def _check_same_on_every_rank(optimizer: OneBitOptimizer, group) -> None:
+    """Refuse ranks built differently (hyperparameters, counters, shapes): they would deadlock
+    or silently diverge. One small all-gather at attach time."""
+    mine = optimizer.fingerprint()
+    everyone: list = [None] * optimizer.world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, theirs in enumerate(everyone):
+        where = _first_difference(everyone[0], theirs)
+        if where is not None:
+            raise ValueError(
+                f"hf_onebit.attach: rank {rank} differs from rank 0 in {where!r}:"
+                f" {_lookup(theirs, where)!r} vs {_lookup(everyone[0], where)!r}. Every rank must build the"
+                " same optimizer (same hyperparameters, same parameter shapes) and load the same checkpoint."
+            )

@@ -208,3 +208,62 @@ def test_world_size_one_runs_uncompressed_adam_with_frozen_variance():
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
     assert opt.comm_stats.snapshot().bytes_sent == 0
+
+
+def _mismatched_hyperparameters(rank, world_size, what):
+    import hf_onebit
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    kwargs = dict(lr=1e-2, freeze_step=5)
+    if what == "freeze_step" and rank == 1:
+        kwargs["freeze_step"] = 7
+    if what == "lr" and rank == 1:
+        kwargs["lr"] = 2e-2
+    opt = hf_onebit.OneBitAdam(model.parameters(), **kwargs)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    try:
+        hf_onebit.attach(ddp, opt)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("what", ["freeze_step", "lr"])
+def test_attach_names_a_hyperparameter_that_differs_between_ranks(what):
+    outs = run_distributed(_mismatched_hyperparameters, 2, what)
+    for msg in outs:  # every rank refuses, none hangs
+        assert msg is not None and "rank 1 differs from rank 0" in msg and what in msg
+
+
+def _non_finite_without_scaler(rank, world_size, bad_step):
+    import hf_onebit
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    hf_onebit.attach(ddp, opt)
+    for step in range(1, 8):
+        coeffs = fixed_grads(step, rank)
+        if step == bad_step and rank == 0:
+            coeffs[0][0, 0] = float("nan")
+        ddp(coeffs).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        m_before = [opt.state[p]["exp_avg"].clone() for p in model.parameters() if p in opt.state]
+        try:
+            opt.step()
+        except FloatingPointError as exc:
+            untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            m_same = all(torch.equal(a, opt.state[p]["exp_avg"]) for a, p in zip(m_before, model.parameters()))
+            return str(exc), step, untouched, m_same
+        opt.zero_grad(set_to_none=True)
+    return None, None, None, None
+
+
+@pytest.mark.parametrize("bad_step", [2, 5])  # warmup, compression
+def test_non_finite_gradient_without_a_scaler_stops_every_rank_before_any_state_changes(bad_step):
+    outs = run_distributed(_non_finite_without_scaler, 2, bad_step)
+    for msg, step, untouched, m_same in outs:  # the NaN of rank 0 reaches every rank
+        assert msg is not None and "non-finite gradient" in msg and "grad_scaler" in msg
+        assert step == bad_step and untouched and m_same

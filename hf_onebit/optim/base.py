@@ -90,6 +90,10 @@ def _completed(value: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
+class CommunicationError(RuntimeError):
+    """A collective of hf_onebit failed (typically: a peer died or timed out)."""
+
+
 def _failed(exc: BaseException) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_exception(exc)
@@ -315,18 +319,55 @@ class OneBitOptimizer(torch.optim.Optimizer):
         if self._layout_step != t:  # remember this step's bucket layout (saved per rank)
             self._layout_step, self._layout = t, []
         self._layout.append(key)
-        if plan in (Plan.LOCAL, Plan.SYNC_AFTER_STEP):
-            return _completed(buffer)
         executor = executor_for(self.process_group, buffer.device)
+        if plan in (Plan.LOCAL, Plan.SYNC_AFTER_STEP):
+            if self.grad_scale is None:
+                return _completed(buffer)
+            # With a loss scaler, a rank whose local gradient overflowed skips the step. Ranks
+            # must skip together or their step counters (and sync schedules) diverge: exchange
+            # one flag per bucket (4 bytes, 1 round) and poison the bucket everywhere if any
+            # rank's is non-finite, so every rank's scaler sees it.
+            return executor.submit(lambda: self._finite_vote(buffer))
         if plan is Plan.ALLREDUCE:
             mean = MeanAllReduce(self.process_group, self.comm_stats)
-            return executor.submit(lambda: mean(buffer))
+            return executor.submit(self._with_context(t, plan, lambda: mean(buffer)))
         if plan in self._SEGMENT_PLANS:
             segments = self.segments_for(key, buffer.device)
             scale_t = self.grad_scale() if self.grad_scale is not None else None
             job = lambda: self._compress_bucket(plan, segments, params, buffer, grads, scale_t)  # noqa: E731
-            return executor.submit(job)
+            return executor.submit(self._with_context(t, plan, job))
         return self.reduce_bucket_custom(plan, key, params, buffer, grads)
+
+    def _with_context(self, t: int, plan: Plan, job):
+        """Wrap a communication job so a failure says where it happened and what to suspect."""
+
+        def run():
+            try:
+                return job()
+            except Exception as exc:  # noqa: BLE001 - re-raised with context
+                raise CommunicationError(
+                    f"hf_onebit {type(self).__name__}: a collective failed on rank {self.rank} of"
+                    f" {self.world_size} at step {t} (plan {plan.value}): {exc}. Another rank has"
+                    " probably died or stalled beyond the process group's timeout"
+                    " (init_process_group(timeout=...)); stop all ranks and resume from the last checkpoint."
+                ) from exc
+
+        return run
+
+    def compress_segment_async(self, seg: Segment, plan: Plan) -> torch.futures.Future:
+        """Compressed all-reduce of ``seg.work`` in place, ordered after the hook's jobs (for
+        communication inside ``step()``, e.g. 0/1 Adam's sync)."""
+        job = self._with_context(self.steps_done + 1, plan, lambda: seg.comm(seg.work))
+        return executor_for(self.process_group, seg.device).submit(job)
+
+    def _finite_vote(self, buffer: torch.Tensor) -> torch.Tensor:
+        flag = (~torch.isfinite(buffer).all()).to(torch.float32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        n = self.world_size
+        self.comm_stats.record(CommRecord(2 * (n - 1) * 4 // n, 2 * (n - 1) * 4 // n, 1, 0, 1))
+        if bool(flag):
+            buffer.fill_(float("nan"))
+        return buffer
 
     def reduce_bucket_custom(self, plan, key, params, buffer, grads) -> torch.futures.Future:
         raise NotImplementedError(f"{type(self).__name__} has no bucket handler for plan {plan.value}")
@@ -402,6 +443,43 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 " DistributedDataParallel (HF Trainer and Accelerate integrations do this for you)."
             )
         return True
+
+    def fingerprint(self) -> dict:
+        """What must be identical on every rank: class, hyperparameters, counters, parameter shapes."""
+        return {
+            "optimizer": type(self).__name__,
+            "global": self.global_state(),
+            "param_groups": [
+                {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"} for g in self.param_groups
+            ],
+            "params": [[list(p.shape), str(p.dtype)] for p in self.params_in_order()],
+        }
+
+    def check_finite_grads(self) -> None:
+        """Stop with a clear error if any gradient is non-finite and no loss scaler can skip the step.
+
+        Called at the start of every ``step()``, before any state changes. With a loss scaler
+        attached the scaler skips such steps on every rank (the exchanged values are non-finite
+        everywhere) and never calls ``step()``; without one, silently applying NaN would corrupt
+        moments, variance and parameters for good.
+        """
+        if self.grad_scale is not None:
+            return
+        grads = [p.grad for p in self.params_in_order() if p.grad is not None]
+        if not grads:
+            return
+        finite = torch.stack([torch.isfinite(g).all() for g in grads])
+        if bool(finite.all()):  # one host sync per step
+            return
+        index = self._index_of()
+        bad = [index[id(p)] for p in self.params_in_order() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        raise FloatingPointError(
+            f"hf_onebit {type(self).__name__}: non-finite gradient at step {self.steps_done + 1} (phase"
+            f" '{self.phase()}') in parameter(s) {bad[:8]} (optimizer order) on rank {self.rank}. No loss"
+            " scaler is attached, so the step cannot be skipped; stopping before any optimizer state"
+            " changes. Remedies: lower the learning rate, clip gradients, or for fp16 pass the"
+            " GradScaler to hf_onebit.attach(..., grad_scaler=scaler) so such steps are skipped."
+        )
 
     def onebit_stats(self) -> dict:
         """Cumulative and last-step communication figures, for logs and benchmarks."""

@@ -684,6 +684,7 @@ class BinSGDM(OneBitOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.check_finite_grads()
         t = self.steps_done + 1
         synced = self.check_synced(t) if self.plan() is Plan.VOTE else False
         index = self._index_of()

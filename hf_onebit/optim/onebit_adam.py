@@ -118,6 +118,7 @@ class OneBitAdam(ZeroGradientMasks, OneBitOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.check_finite_grads()
         t = self.steps_done + 1
         plan = self.plan()
         synced = self.check_synced(t) if plan is Plan.COMPRESS_MOMENTUM else False

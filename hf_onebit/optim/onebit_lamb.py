@@ -301,6 +301,7 @@ class OneBitLamb(ZeroGradientMasks, OneBitOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.check_finite_grads()
         t = self.steps_done + 1
         plan = self.plan()
         compress = plan is Plan.COMPRESS_MOMENTUM

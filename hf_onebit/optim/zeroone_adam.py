@@ -287,6 +287,7 @@ class ZeroOneAdam(OneBitOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.check_finite_grads()
         t = self.steps_done + 1
         plan = self.plan()
         if plan is not Plan.ALLREDUCE:
@@ -377,7 +378,7 @@ class ZeroOneAdam(OneBitOptimizer):
                 denom = state["exp_avg_sq"].sqrt().add_(groups[id(p)]["eps"])
                 torch.mul(state["momentum_accumulator"], denom, out=seg.work[off : off + n].view(p.shape))
                 off += n
-            futures.append(seg.comm.allreduce_async(seg.work))
+            futures.append(self.compress_segment_async(seg, Plan.SYNC_AFTER_STEP))
         for seg, fut in zip(segments, futures):
             fut.wait()
             off = 0

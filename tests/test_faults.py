@@ -1,0 +1,66 @@
+"""Fault injection: a rank that dies or stalls mid-step makes every other rank stop with a clear
+error within the process group's timeout; nobody hangs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.distributed import run_distributed
+from tests.optim.harness import FixedGradModel, build_optimizer, fixed_grads
+
+CASES = {
+    # name: (optimizer, kwargs, step at which rank 2 fails, where)
+    "warmup": ("OneBitAdam", dict(lr=1e-2, freeze_step=5), 3, "backward"),
+    "compression": ("OneBitAdam", dict(lr=1e-2, freeze_step=2), 4, "backward"),
+    "zeroone_sync": ("ZeroOneAdam", dict(lr=1e-2, var_freeze_step=2, local_step_scaler=100, local_step_clipper=2), 4, "step"),
+}
+
+
+def _victim(rank, world_size, case, mode):
+    import hf_onebit
+
+    name, kwargs, bad_step, where = CASES[case]
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    opt = build_optimizer(name, model.parameters(), kwargs)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    hf_onebit.attach(ddp, opt)
+
+    def fail_here():
+        if mode == "die":
+            os._exit(17)  # no cleanup, like a killed process
+        time.sleep(60)  # a stalled rank: alive, silent (killed by the test once the others stopped)
+
+    for step in range(1, 10):
+        loss = ddp(fixed_grads(step, rank))
+        if rank == 2 and step == bad_step and where == "backward":
+            fail_here()
+        start = time.monotonic()
+        try:
+            loss.backward()
+            if rank == 2 and step == bad_step and where == "step":
+                fail_here()
+            opt.step()
+        except Exception as exc:  # noqa: BLE001 - the survivors report what they saw
+            return {"step": step, "type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+        opt.zero_grad(set_to_none=True)
+    return None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["die", "stall"])
+def test_a_failed_rank_stops_the_others_with_a_clear_error(case, mode):
+    pg_timeout = 8
+    got = run_distributed(_victim, 3, case, mode, pg_timeout=pg_timeout, allow_dead=True, wait_for=[0, 1], timeout=150)
+    survivors = [got[r] for r in (0, 1)]
+    for report in survivors:
+        assert report is not None, "a surviving rank trained on as if nothing happened"
+        assert report["step"] == CASES[case][2]
+        assert "hf_onebit" in report["message"] and "resume from the last checkpoint" in report["message"]
+        # a stall is detected by the process group's timeout, a death at once
+        assert report["seconds"] < pg_timeout + 30
