@@ -3,6 +3,10 @@
     opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-4, freeze_step=400)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     hf_onebit.attach(ddp, opt)
+
+With the Hugging Face Trainer: ``hf_onebit.OneBitTrainer`` and ``hf_onebit.OneBitTrainingArguments``
+(``--optim onebit_adam``); they are imported on first use, so ``import hf_onebit`` does not
+import transformers. See ``docs/integrations.md``.
 """
 
 from hf_onebit.checkpoint import load_rank_state, save_rank_state
@@ -11,12 +15,32 @@ from hf_onebit.optim import BinSGDM, OneBitAdam, OneBitLamb, OneBitOptimizer, Pl
 
 __version__ = "0.1.0.dev0"
 
+# Imported on first access (module __getattr__, PEP 562): transformers is heavy and optional here.
+_LAZY = {
+    "OneBitTrainer": "hf_onebit.integrations.trainer",
+    "OneBitTrainingArguments": "hf_onebit.integrations.trainer",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "BinSGDM",
     "OneBitAdam",
     "OneBitHookState",
     "OneBitLamb",
     "OneBitOptimizer",
+    "OneBitTrainer",
+    "OneBitTrainingArguments",
     "Plan",
     "ZeroOneAdam",
     "attach",

@@ -92,6 +92,13 @@ def attach(
     if optimizer.world_size == 1:
         logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
         return None
+    if getattr(ddp_model, "find_unused_parameters", False) and dist.get_backend(ddp_model.process_group) == "gloo":
+        raise ValueError(
+            "hf_onebit.attach: DistributedDataParallel(find_unused_parameters=True) on gloo runs DDP's own"
+            " collective on the autograd thread while hf_onebit communicates on its own thread; gloo then"
+            " pairs the wrong messages and aborts. Build DDP with find_unused_parameters=False (HF Trainer:"
+            " --ddp_find_unused_parameters false)."
+        )
     _check_same_on_every_rank(optimizer, ddp_model.process_group)
     ddp_model.register_comm_hook(state, onebit_hook)
     return state

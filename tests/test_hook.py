@@ -156,6 +156,11 @@ def _attach_refusals(rank, world_size):
             messages.append(None)
         except (TypeError, ValueError) as exc:
             messages.append(str(exc))
+    try:
+        hf_onebit.attach(DDP(model, find_unused_parameters=True), hf_onebit.OneBitAdam(model.parameters()))
+        messages.append(None)
+    except ValueError as exc:
+        messages.append(str(exc))
     emb = torch.nn.Embedding(10, 4, sparse=True)
     try:
         hf_onebit.attach(DDP(emb), hf_onebit.OneBitAdam(emb.parameters()))
@@ -170,7 +175,8 @@ def test_attach_refuses_what_it_cannot_serve():
     assert "DistributedDataParallel" in msgs[0] and "FSDP" in msgs[0]
     assert "hf_onebit optimizer" in msgs[1]
     assert "not in the optimizer" in msgs[2]
-    assert msgs[3] is not None and "sparse" in msgs[3]
+    assert msgs[3] is not None and "find_unused_parameters=False" in msgs[3]
+    assert msgs[4] is not None and "sparse" in msgs[4]
 
 
 def test_bad_hyperparameters_fail_at_construction():

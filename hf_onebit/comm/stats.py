@@ -68,6 +68,11 @@ class CommStats:
         with self._lock:
             return CommRecord(**asdict(self.total))
 
+    def restore(self, total: CommRecord) -> None:
+        """Continue counting from ``total`` (a resumed run)."""
+        with self._lock:
+            self.total = CommRecord(**asdict(total))
+
     def reset(self) -> None:
         with self._lock:
             self.total = CommRecord()

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -542,6 +542,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
             # exactly at freeze_step) splits DDP's one-bucket first iteration along it, as the
             # uninterrupted run's buckets were.
             "layout": list(self._layout),
+            # This rank's traffic so far, so cumulative figures continue across a resume.
+            "comm_total": asdict(self.comm_stats.snapshot()),
         }
 
     def reset_rank_state(self) -> None:
@@ -561,6 +563,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 f" {self.world_size}; see docs on resuming with another world size"
             )
         self._segments.clear()
+        total = state.get("comm_total")
+        if total:
+            self.comm_stats.restore(CommRecord(**{k: int(v) for k, v in total.items()}))
+            self._stats_at_last_step = self.comm_stats.snapshot()
         pending: dict = dict(state["segments"])
         covered = set().union(*pending) if pending else set()
         for key in state.get("layout", []):

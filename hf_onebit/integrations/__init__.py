@@ -1,0 +1,38 @@
+"""Hugging Face integration: Trainer (``--optim onebit_adam``), Accelerate, launcher, logs.
+
+============== ==========================================================================
+module         what it holds
+============== ==========================================================================
+``trainer``    :class:`OneBitTrainingArguments`, :class:`OneBitTrainer` (public Trainer API)
+``callbacks``  :class:`OneBitCallback`: attach at train begin, per-rank checkpoints, log keys
+``accelerate`` :func:`~hf_onebit.integrations.accelerate.attach` and ``OneBitAccelerator``
+               for hand-written Accelerate loops
+``options``    the ``--optim`` names and where each hyperparameter comes from
+``checks``     start-up refusals (FSDP, DeepSpeed, model parallel, sparse, lone ranks)
+``checkpoint`` ``<checkpoint>/hf_onebit/hf_onebit_rank{r}_of{n}.pt``
+``logs``       the ``onebit/...`` log entries
+``patch``      the one place transformers is patched (for unmodified scripts)
+``launcher``   ``python -m hf_onebit.run`` / ``hf-onebit run``
+============== ==========================================================================
+
+Nothing here is imported by ``import hf_onebit``; transformers is imported on first use.
+"""
+
+_LAZY = {
+    "OneBitTrainer": "hf_onebit.integrations.trainer",
+    "OneBitTrainingArguments": "hf_onebit.integrations.trainer",
+    "OneBitCallback": "hf_onebit.integrations.callbacks",
+    "OneBitAccelerator": "hf_onebit.integrations.accelerate",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = list(_LAZY)

@@ -1,0 +1,120 @@
+"""The Trainer callback that runs hf_onebit inside HF Trainer: attach, checkpoints, logs.
+
+:class:`OneBitCallback` is added (first in the list) by :class:`~hf_onebit.OneBitTrainer`, and
+by the launcher's patched ``Trainer.train`` for stock scripts. It uses only public Trainer
+API: the callback events, ``trainer.model_wrapped`` (documented: the outermost model, the DDP
+module Accelerate created), ``trainer.optimizer``, ``trainer.accelerator`` and ``trainer.state``.
+
+* ``on_train_begin`` (after ``accelerator.prepare`` and after the Trainer loaded the optimizer
+  state of a resumed checkpoint, before the first forward): registers the communication hook
+  once, then on a resume restores this rank's compression state.
+* ``on_save`` (after the Trainer wrote the checkpoint on rank 0): every rank writes
+  ``<checkpoint>/hf_onebit/hf_onebit_rank{r}_of{n}.pt``; barriers before (the directory exists) and after
+  (every file exists before any rank goes on).
+* ``on_log``: adds ``onebit/phase``, ``onebit/bytes_per_step``, ``onebit/bytes_sent``,
+  ``onebit/compression_ratio`` and ``onebit/ratio_vs_ddp`` (see :mod:`.logs`) to training logs,
+  and to the ``log_history`` entry the Trainer just recorded. Being first in the callback list,
+  it runs before the progress bar, TensorBoard, W&B and the other reporters, so they show them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from hf_onebit.integrations.accelerate import attach_prepared, unwrap_optimizer
+from hf_onebit.integrations.checkpoint import (
+    has_rank_state,
+    load_rank_state,
+    save_rank_state,
+)
+from hf_onebit.integrations.logs import CompressionLog
+from hf_onebit.integrations.options import warmup_end
+from hf_onebit.optim import BinSGDM, OneBitOptimizer
+
+logger = logging.getLogger("hf_onebit")
+
+# Files the Trainer writes when it saves optimizer state (transformers.trainer OPTIMIZER_NAME/_BIN).
+_OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
+
+
+class OneBitCallback(TrainerCallback):
+    """Runs hf_onebit inside a ``transformers.Trainer`` (see the module docstring)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.resume_from: str | None = None  # set by the Trainer integration before train()
+        self.optimizer: OneBitOptimizer | None = None
+        self.log: CompressionLog | None = None
+
+    # ------------------------------------------------------------------ train begin
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        opt = unwrap_optimizer(trainer.optimizer)
+        if not isinstance(opt, OneBitOptimizer):
+            logger.warning(
+                "hf_onebit: --optim %s was requested but the Trainer's optimizer is %s; nothing attached",
+                args.optim, type(opt).__name__,
+            )
+            return
+        self.optimizer, _ = attach_prepared(trainer.accelerator, trainer.model_wrapped, trainer.optimizer)
+        if self.log is None or self.log.optimizer is not opt:
+            self.log = CompressionLog(opt)
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+        if isinstance(opt, BinSGDM) and args.max_grad_norm and args.max_grad_norm > 0 and state.is_world_process_zero:
+            logger.warning(
+                "hf_onebit: --max_grad_norm %s clips BinSGDM's vote average, whose norm is about sqrt(number of"
+                " parameters): every step shrinks by that factor. BinSGDM bounds each step by the learning rate"
+                " already; pass --max_grad_norm 0.", args.max_grad_norm,
+            )
+        end = warmup_end(opt)
+        if end is not None and end >= state.max_steps > 0 and state.is_world_process_zero:
+            logger.warning(
+                "hf_onebit: freeze_step=%d >= max_steps=%d: the whole run is uncompressed warmup. Set"
+                " --freeze_step (or --optim_args freeze_step=...); published guidance is 15-25%% of the run.",
+                end, state.max_steps,
+            )
+
+    def _restore(self, checkpoint: str) -> None:
+        if not any(os.path.isfile(os.path.join(checkpoint, f)) for f in _OPTIMIZER_FILES):
+            if has_rank_state(checkpoint):
+                logger.warning("hf_onebit: %s has no optimizer state; its per-rank state is not used", checkpoint)
+            return  # the Trainer did not restore the optimizer either (e.g. save_only_model)
+        load_rank_state(self.optimizer, checkpoint)
+        self.log.restart()
+        logger.info("hf_onebit: restored rank %d's compression state from %s", self.optimizer.rank, checkpoint)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.log is not None:
+            self.log.note_step_start()  # the phase the logs report: the step's own, not the next one's
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save(self, args, state, control, **kwargs):
+        if self.optimizer is None or args.save_only_model:
+            return
+        accelerator = self.trainer.accelerator
+        checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        accelerator.wait_for_everyone()  # rank 0 has finished writing the checkpoint
+        if not os.path.isdir(checkpoint):
+            raise RuntimeError(
+                f"hf_onebit: the Trainer's checkpoint {checkpoint} does not exist on rank {self.optimizer.rank};"
+                " hf_onebit needs the output directory on a file system every rank can write to"
+                " (hyperparameter search runs are not supported)"
+            )
+        save_rank_state(self.optimizer, checkpoint)
+        accelerator.wait_for_everyone()  # every rank's file exists before anyone goes on
+
+    # ------------------------------------------------------------------ logs
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.log is None or logs is None:
+            return
+        if any(k.startswith(("eval_", "test_", "predict_")) for k in logs):
+            return
+        added = self.log.entries()
+        logs.update(added)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(added)

@@ -1,0 +1,166 @@
+"""Start-up refusals: what hf_onebit cannot serve, said before any step runs, naming the alternative.
+
+hf_onebit replaces DDP's gradient all-reduce. It needs every rank to hold the whole model in
+one DistributedDataParallel module, and every launched process to be a member of the process
+group. Each check raises :class:`UnsupportedSetup` (a ``ValueError``) with the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+DOCS = "docs/integrations.md"
+
+
+class UnsupportedSetup(ValueError):
+    """A training setup hf_onebit refuses to run."""
+
+
+def _env_int(env: Mapping[str, str], key: str) -> int | None:
+    try:
+        return int(env[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def check_launch(num_processes: int, env: Mapping[str, str] | None = None, dist_initialized: bool | None = None) -> None:
+    """Refuse when the launcher started several processes that do not train together.
+
+    ``torchrun``/``accelerate launch`` export ``WORLD_SIZE`` (and ``LOCAL_WORLD_SIZE``) to every
+    process they start. If this process was started as one of several, but Accelerate runs it
+    as a single process (or no process group exists), each rank would train alone and nothing
+    would be communicated: on a machine without a GPU, Accelerate does this when
+    ``ACCELERATE_USE_CPU`` is not set.
+    """
+    env = os.environ if env is None else env
+    if dist_initialized is None:
+        dist_initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    launched = max(_env_int(env, "WORLD_SIZE") or 1, _env_int(env, "LOCAL_WORLD_SIZE") or 1)
+    if launched <= 1:
+        return
+    if dist_initialized and num_processes > 1:
+        return
+    how = "no torch.distributed process group exists" if not dist_initialized else (
+        f"Accelerate runs it as {num_processes} process(es)"
+    )
+    raise UnsupportedSetup(
+        f"hf_onebit: this process was launched as one of {launched} (WORLD_SIZE/LOCAL_WORLD_SIZE), but {how}:"
+        " every rank would train alone and nothing would be communicated. On a machine without a GPU"
+        " Accelerate only forms a CPU process group when ACCELERATE_USE_CPU=1 is set: run"
+        " `ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml script.py ...`,"
+        " or start the script through `python -m hf_onebit.run script.py ...` (it sets ACCELERATE_USE_CPU=1"
+        f" when there is no GPU). Note that `accelerate launch --cpu` starts a single process. See {DOCS}."
+    )
+
+
+def check_distributed_type(distributed_type, parallelism_config=None) -> None:
+    """Refuse FSDP, DeepSpeed, Megatron-LM and Accelerate's tensor/context/sequence parallelism."""
+    kind = str(getattr(distributed_type, "value", distributed_type) or "").upper()
+    if kind == "FSDP":
+        raise UnsupportedSetup(fsdp_message())
+    if kind == "DEEPSPEED":
+        raise UnsupportedSetup(deepspeed_message())
+    if kind == "MEGATRON_LM":
+        raise UnsupportedSetup(model_parallel_message("Accelerate runs Megatron-LM (tensor/pipeline parallel)"))
+    if parallelism_config is not None:
+        sizes = {
+            k: getattr(parallelism_config, f"{k}_size", 1) or 1
+            for k in ("tp", "cp", "sp", "dp_shard")
+        }
+        used = {k: v for k, v in sizes.items() if v > 1}
+        if used:
+            what = ", ".join(f"{k}_size={v}" for k, v in used.items())
+            raise UnsupportedSetup(model_parallel_message(f"Accelerate's parallelism_config shards the model ({what})"))
+
+
+def fsdp_message() -> str:
+    return (
+        "hf_onebit does not support FSDP: its optimizers replace DDP's gradient all-reduce with a 1-bit"
+        " one, and FSDP shards gradients and optimizer state instead of all-reducing them. Use plain DDP"
+        " (drop --fsdp / `distributed_type: FSDP`; e.g. recipes/accelerate/single_node_multi_gpu.yaml), or"
+        " keep FSDP with a standard optimizer such as --optim adamw_torch."
+    )
+
+
+def deepspeed_message() -> str:
+    return (
+        "hf_onebit does not support DeepSpeed (ZeRO or otherwise): it works on plain PyTorch DDP. Drop"
+        " --deepspeed / `distributed_type: DEEPSPEED` and launch with plain DDP (e.g."
+        " recipes/accelerate/single_node_multi_gpu.yaml), or use DeepSpeed's own OneBitAdam / ZeroOneAdam /"
+        " OneBitLamb with ZeRO stage 0 (DeepSpeed <= 0.19.6) instead of hf_onebit."
+    )
+
+
+def model_parallel_message(what: str) -> str:
+    return (
+        f"hf_onebit does not support tensor, pipeline or other model parallelism ({what}): it compresses"
+        " the gradient all-reduce of data-parallel training, where every rank holds the whole model in"
+        " one DistributedDataParallel module. Load the model on one device per process (no"
+        " device_map='auto', no tp_plan) and launch one process per device, e.g. with"
+        " recipes/accelerate/single_node_multi_gpu.yaml; for a model that does not fit on one device use"
+        " FSDP or DeepSpeed with a standard optimizer."
+    )
+
+
+def sparse_message(names: list[str]) -> str:
+    return (
+        f"hf_onebit does not support sparse gradients (modules with sparse=True: {names[:3]}): the 1-bit"
+        " all-reduce works on dense gradient buckets. Build the embedding with sparse=False, or train"
+        " with a standard optimizer (--optim adamw_torch)."
+    )
+
+
+def check_find_unused(ddp) -> None:
+    """Refuse ``DistributedDataParallel(find_unused_parameters=True)`` on gloo.
+
+    With it, DDP all-reduces its map of used parameters from the autograd thread during
+    backward, while hf_onebit's gloo communication thread runs the gradient buckets' collectives
+    on the same process group; gloo then pairs the two in different orders on different ranks
+    and aborts ("Received data size doesn't match expected size"). (NCCL runs hf_onebit's
+    collectives on the autograd thread itself, in one order.)
+    """
+    if not getattr(ddp, "find_unused_parameters", False):
+        return
+    dist = torch.distributed
+    backend = dist.get_backend(ddp.process_group) if dist.is_initialized() else None
+    if backend != "gloo":
+        return
+    raise UnsupportedSetup(
+        "hf_onebit on CPU (gloo) does not support DistributedDataParallel(find_unused_parameters=True): DDP's"
+        " own all-reduce of the used-parameter map would race with hf_onebit's communication thread. Pass"
+        " --ddp_find_unused_parameters false (Trainer), or DistributedDataParallelKwargs(find_unused_parameters="
+        "False) (Accelerate); if the model really has parameters without gradients, freeze them"
+        " (requires_grad=False) so DDP does not wait for them."
+    )
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Refuse a model split across devices (device_map, tp_plan, DTensor) or with sparse gradients."""
+    device_map = getattr(model, "hf_device_map", None)
+    if isinstance(device_map, Mapping):
+        places = {str(v) for v in device_map.values()}
+        if len(places) > 1 or places & {"disk", "meta"}:
+            raise UnsupportedSetup(model_parallel_message(
+                f"the model was loaded with a device_map that places it on {sorted(places)}"
+            ))
+    for attr, what in (("tp_size", "tensor parallel (tp_plan)"), ("fsdp_size", "sharded at load time")):
+        try:
+            size = getattr(model, attr, None)
+        except Exception:  # noqa: BLE001 - a property that is not set up
+            size = None
+        if isinstance(size, int) and size > 1:
+            raise UnsupportedSetup(model_parallel_message(f"the model is {what}, {attr}={size}"))
+    if getattr(model, "is_distributed_loading_by_transformers", False):
+        raise UnsupportedSetup(model_parallel_message("the model was sharded by from_pretrained(distributed_config=...)"))
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - old torch
+        DTensor = ()  # type: ignore[assignment]
+    if DTensor and any(isinstance(p, DTensor) for p in model.parameters()):
+        raise UnsupportedSetup(model_parallel_message("the model has DTensor parameters (tensor parallel or FSDP2)"))
+    sparse = [n or type(m).__name__ for n, m in model.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        raise UnsupportedSetup(sparse_message(sparse))

@@ -1,0 +1,105 @@
+"""OneBitTrainer on 2 gloo processes started by `accelerate launch` with the CPU recipe.
+
+For each --optim name: run A trains 24 steps (gradient accumulation 2, 3 DDP buckets, a
+checkpoint at step 12); run B resumes from A's checkpoint-12 in a fresh output directory.
+Checked: the loss falls, the logs carry the compression figures, the hook fires once per bucket
+per optimizer step, and B ends with parameters bitwise equal to A's on every rank.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.integrations.launch import SCRIPTS, accelerate_launch
+
+COMMON = [
+    "--max_steps", "24", "--save_steps", "12", "--per_device_train_batch_size", "8",
+    "--gradient_accumulation_steps", "2", "--logging_steps", "4", "--logging_first_step",
+    "--report_to", "none", "--disable_tqdm", "true", "--bucket_kb", "24",
+]
+
+CASES = {
+    # --check_grad: step 1's gradient norm must be the plain mean over the global batch (needs dropout 0)
+    "onebit_adam": ["--freeze_step", "8", "--learning_rate", "3e-3", "--dropout", "0", "--check_grad",
+                    "--eval_strategy", "steps", "--eval_steps", "12", "--per_device_eval_batch_size", "16"],
+    "zeroone_adam": ["--var_freeze_step", "8", "--optim_args", "var_update_scaler=2,local_step_scaler=4",
+                     "--local_step_clipper", "4", "--learning_rate", "3e-3"],
+    "onebit_lamb": ["--freeze_step", "8", "--learning_rate", "1e-2", "--bf16", "--use_cpu"],
+    "binsgdm": ["--learning_rate", "3e-3", "--max_grad_norm", "0"],
+}
+
+PHASES = {
+    "onebit_adam": ("warmup", "compression"),
+    "zeroone_adam": ("variance", "local_steps"),
+    "onebit_lamb": ("warmup", "compression"),
+    "binsgdm": ("vote", "vote"),
+}
+
+
+def _train(tmp_path, name, out, results, resume=False):
+    args = [str(SCRIPTS / "onebit_train.py"), "--output_dir", str(out), "--result_dir", str(results),
+            "--optim", name, *COMMON, *CASES[name]]
+    if resume:
+        args += ["--resume", "last"]
+    accelerate_launch(args, timeout=300).check()
+    return [torch.load(results / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_processes_train_log_and_resume_bitwise(tmp_path, name):
+    a = _train(tmp_path, name, tmp_path / "A", tmp_path / "resA")
+    checkpoint = tmp_path / "A" / "checkpoint-12"
+    assert sorted(p.name for p in (checkpoint / "hf_onebit").iterdir()) == ["hf_onebit_rank0_of2.json", "hf_onebit_rank0_of2.pt", "hf_onebit_rank1_of2.json", "hf_onebit_rank1_of2.pt"]
+    (tmp_path / "B").mkdir()
+    shutil.copytree(checkpoint, tmp_path / "B" / "checkpoint-12")
+    b = _train(tmp_path, name, tmp_path / "B", tmp_path / "resB", resume=True)
+
+    for rank in range(2):
+        assert a[rank]["world_size"] == 2
+        # the resumed run continues the same trajectory, bitwise
+        pa, pb = a[rank]["params"], b[rank]["params"]
+        assert pa.keys() == pb.keys()
+        different = [k for k in pa if not torch.equal(pa[k], pb[k])]
+        assert not different, f"rank {rank}: resumed parameters differ from the uninterrupted run: {different[:5]}"
+        # BERT's forward takes **kwargs but its loss ignores num_items_in_batch: the integration turns it off
+        assert a[rank]["model_accepts_loss_kwargs"] is False
+
+    logs = [h for h in a[0]["log_history"] if "loss" in h]
+    assert [h["step"] for h in logs] == [1, 4, 8, 12, 16, 20, 24]
+    losses = [h["loss"] for h in logs]
+    assert losses[0] < 0.8, f"the logged loss must be a plain mean (ln 2 = 0.69 at the start), got {losses[0]}"
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, f"loss does not fall: {losses}"
+    for h in logs:
+        for key in ("onebit/phase", "onebit/bytes_per_step", "onebit/bytes_sent", "onebit/compression_ratio",
+                    "onebit/ratio_vs_ddp"):
+            assert key in h, f"{key} missing from the log at step {h['step']}: {sorted(h)}"
+    first, last = PHASES[name]
+    assert logs[0]["onebit/phase"] == first and logs[-1]["onebit/phase"] == last
+    sent = [h["onebit/bytes_sent"] for h in logs]
+    assert sent == sorted(sent) and sent[0] > 0
+    if name != "binsgdm":  # compression after the first phase: far fewer bytes per step than the warmup
+        assert logs[-1]["onebit/bytes_per_step"] < logs[0]["onebit/bytes_per_step"] / 10
+    assert logs[-1]["onebit/ratio_vs_ddp"] > 1.5
+    # the resumed run's logs continue the cumulative figures (BinSGDM frames its votes per DDP bucket, and
+    # DDP's first iteration after the resume has a single bucket: a few bytes of flags and padding differ)
+    logs_b = {h["step"]: h for h in b[0]["log_history"] if "loss" in h}
+    assert logs_b[24]["onebit/bytes_sent"] == pytest.approx(logs[-1]["onebit/bytes_sent"], rel=1e-3)
+
+    # gradient accumulation: no_sync on the first micro-batch, so the hook runs once per bucket per step
+    calls = Counter(step for step, _ in a[0]["calls"])
+    assert sorted(calls) == list(range(1, 25))
+    assert calls[1] == 1  # DDP's first iteration: one bucket with every parameter
+    assert {calls[s] for s in range(2, 25)} == {3}  # then the 3 rebuilt buckets, never per micro-batch
+
+    if name == "onebit_adam":
+        evals = [h for h in a[0]["log_history"] if "eval_loss" in h]
+        assert [h["step"] for h in evals] == [12, 24] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
+        assert not any(k.startswith("onebit/") for h in evals for k in h)
+        expected = a[0]["plain_mean_grad_norm_step1"]
+        assert logs[0]["grad_norm"] == pytest.approx(expected, rel=1e-4), (
+            "the gradient must be the plain mean over the global batch (not multiplied by accumulation x processes)"
+        )
