@@ -144,3 +144,48 @@ def test_pickled_code_is_never_executed_even_with_a_matching_checksum(tmp_path):
     with pytest.raises(RankStateError, match="not a valid hf_onebit state file"):
         load_rank_state(opt, str(tmp_path))
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- from a plain AdamW checkpoint
+def _from_adamw(rank, world_size, directory, name):
+    import hf_onebit
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(1, 5):  # 4 steps of plain DDP + AdamW
+        ddp(fixed_grads(step, rank)).backward()
+        adamw.step()
+        adamw.zero_grad(set_to_none=True)
+    sd = adamw.state_dict()
+    m_adam = [adamw.state[p]["exp_avg"].clone() for p in model.parameters()]
+    del ddp
+    opt = build_optimizer(name, model.parameters(), OPTIMIZERS[name])
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as exc:
+        return {"refused": str(exc)}
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    hf_onebit.attach(ddp, opt)
+    moments_kept = all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(model.parameters(), m_adam))
+    steps_done, phase = opt.steps_done, opt.phase()
+    for step in range(5, 9):
+        ddp(fixed_grads(step, rank)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"moments_kept": moments_kept, "steps_done": steps_done, "phase": phase,
+            "final_phase": opt.phase(), "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("name", ["OneBitAdam", "BinSGDM"])
+def test_continuing_from_a_plain_adamw_checkpoint(tmp_path, name):
+    outs = run_distributed(_from_adamw, 2, str(tmp_path), name)
+    if name == "BinSGDM":
+        assert "cannot continue from a torch Adam/AdamW state_dict" in outs[0]["refused"]
+        return
+    for out in outs:
+        assert out["moments_kept"] and out["steps_done"] == 4
+        assert out["phase"] == "compression"  # freeze_step=3 < 4: compression starts at once
+        assert all(torch.isfinite(p).all() for p in out["params"])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0]["params"], outs[1]["params"]))

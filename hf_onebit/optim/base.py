@@ -90,6 +90,13 @@ def _completed(value: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
+def _looks_like_adam(state_dict: dict) -> bool:
+    """A ``torch.optim.Adam``/``AdamW`` state_dict (and not one of ours)."""
+    states = list(state_dict.get("state", {}).values())
+    adam_keys = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    return bool(states) and all({"step", "exp_avg", "exp_avg_sq"} <= set(s) <= adam_keys for s in states)
+
+
 class CommunicationError(RuntimeError):
     """A collective of hf_onebit failed (typically: a peer died or timed out)."""
 
@@ -216,13 +223,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
             cache = {id(p): i for i, p in enumerate(self.params_in_order())}
             self._index_cache = cache
         return cache
-
-    def group_of(self, p: torch.Tensor) -> dict:
-        for group in self.param_groups:
-            for q in group["params"]:
-                if q is p:
-                    return group
-        raise KeyError("parameter is not managed by this optimizer")
 
     def _group_map(self) -> dict[int, dict]:
         cache = getattr(self, "_group_cache", None)
@@ -511,6 +511,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """
         state_dict = dict(state_dict)
         onebit = state_dict.pop("onebit", None)
+        if onebit is None and _looks_like_adam(state_dict):
+            self._import_adam_state(state_dict)
+            return
         saved_state = state_dict["state"]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
@@ -523,6 +526,46 @@ class OneBitOptimizer(torch.optim.Optimizer):
         if onebit is not None:
             self.load_global_state(onebit)
         self._last_phase = self.phase()
+
+    #: Whether a torch Adam/AdamW ``state_dict`` can seed this optimizer's moments.
+    imports_adam_state = True
+
+    def _import_adam_state(self, state_dict: dict) -> None:
+        """Continue from a ``torch.optim.Adam``/``AdamW`` checkpoint: its moments and step count.
+
+        The hyperparameters stay those this optimizer was built with (not the checkpoint's).
+        Warmup and freezing follow the step count: a checkpoint past ``freeze_step`` starts
+        compressing at once. Coordinates whose variance is exactly zero never had a gradient,
+        which is what the automatic mask records, so masks are seeded from it.
+        """
+        if not self.imports_adam_state:
+            raise ValueError(
+                f"{type(self).__name__} cannot continue from a torch Adam/AdamW state_dict (its state is not"
+                " Adam's moments): start its state afresh and load only the model weights"
+            )
+        params = self.params_in_order()
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        if len(saved_ids) != len(params):
+            raise ValueError(f"the Adam state_dict has {len(saved_ids)} parameters, this optimizer {len(params)}")
+        steps = 0
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id)
+            if not saved:
+                continue
+            if saved["exp_avg"].shape != p.shape:
+                raise ValueError(f"the Adam state of parameter {saved_id} has shape {tuple(saved['exp_avg'].shape)}, the parameter {tuple(p.shape)}")
+            state = self._init_state(p)
+            state["exp_avg"].copy_(saved["exp_avg"])
+            state["exp_avg_sq"].copy_(saved["exp_avg_sq"])
+            if "nonzero" in state:
+                state["nonzero"].copy_(saved["exp_avg_sq"] != 0)
+            steps = max(steps, int(saved["step"]))
+        self.steps_done = steps
+        self._last_phase = self.phase()
+        logger.warning(
+            "hf_onebit %s: continuing from a torch Adam/AdamW state at step %d (its moments; this"
+            " optimizer's hyperparameters); phase '%s'", type(self).__name__, steps, self.phase(),
+        )
 
     def rank_state_dict(self) -> dict:
         """This rank's own state: error buffers of every segment (plus subclass extras).

@@ -283,6 +283,8 @@ class BinSGDM(OneBitOptimizer):
             from it, so a resumed run continues the same random streams.
     """
 
+    imports_adam_state = False  # its m, b are not Adam's moments
+
     def __init__(
         self,
         params,
