@@ -273,3 +273,41 @@ def test_non_finite_gradient_without_a_scaler_stops_every_rank_before_any_state_
     for msg, step, untouched, m_same in outs:  # the NaN of rank 0 reaches every rank
         assert msg is not None and "non-finite gradient" in msg and "grad_scaler" in msg
         assert step == bad_step and untouched and m_same
+
+
+def _local_phase_scaler_skip(rank, world_size):
+    import hf_onebit
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    opt = hf_onebit.ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=2, local_step_scaler=100,
+                                local_step_clipper=2)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    hf_onebit.attach(ddp, opt, grad_scaler=scaler)
+    steps_done, params_after = [], []
+    for it in range(1, 10):
+        coeffs = fixed_grads(it, rank)
+        if it == 5 and rank == 1:  # a local step (no communication of gradients), one rank only
+            coeffs[2][0] = float("inf")
+        scaler.scale(ddp(coeffs)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        steps_done.append(opt.steps_done)
+        params_after.append([p.detach().clone() for p in model.parameters()])
+    return steps_done, params_after, opt.phase()
+
+
+def test_zeroone_local_steps_skip_together_under_a_loss_scaler():
+    outs = run_distributed(_local_phase_scaler_skip, 2)
+    (steps0, params0, phase), (steps1, params1, _) = outs
+    assert phase == "local_steps"
+    assert steps0 == steps1, "ranks took different skip decisions: their sync schedules would diverge"
+    assert steps0[4] == steps0[3], "the overflowing iteration must be skipped"
+    assert steps0[-1] == 8
+    # after a sync (every 2 steps here) the parameters are identical again
+    sync_iters = [i for i, s in enumerate(steps0) if s > 2 and s % 2 == 0 and (i == 0 or steps0[i - 1] != s)]
+    assert sync_iters
+    for i in sync_iters:
+        assert all(torch.equal(a, b) for a, b in zip(params0[i], params1[i]))

@@ -43,3 +43,21 @@ def test_log_keys_reach_reporters_and_log_history(tmp_path):
     assert all(e["onebit/bytes_sent"] == 0 for e in train_logs)
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert all("onebit/phase" in h for h in history)
+
+
+def test_a_freeze_step_past_max_steps_is_warned_about(tmp_path, caplog):
+    import logging
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_onebit import OneBitTrainer, OneBitTrainingArguments
+
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=16, num_labels=2))
+    data = [{"input_ids": torch.tensor([1, 5, 6, 7]), "labels": torch.tensor(i % 2)} for i in range(8)]
+    args = OneBitTrainingArguments(output_dir=str(tmp_path), report_to=[], optim="onebit_adam", freeze_step=10,
+                                   max_steps=2, per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True)
+    with caplog.at_level(logging.WARNING, logger="hf_onebit"):
+        OneBitTrainer(model=model, args=args, train_dataset=data).train()
+    assert "freeze_step=10 >= max_steps=2" in caplog.text
