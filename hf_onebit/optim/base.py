@@ -455,6 +455,18 @@ class OneBitOptimizer(torch.optim.Optimizer):
             "params": [[list(p.shape), str(p.dtype)] for p in self.params_in_order()],
         }
 
+    def begin_step(self, closure=None) -> tuple:
+        """The common start of every ``step()``: run the closure, refuse non-finite gradients.
+
+        Returns ``(loss, t, plan)`` for the step about to run.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.check_finite_grads()
+        return loss, self.steps_done + 1, self.plan()
+
     def check_finite_grads(self) -> None:
         """Stop with a clear error if any gradient is non-finite and no loss scaler can skip the step.
 

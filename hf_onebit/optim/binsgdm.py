@@ -682,13 +682,8 @@ class BinSGDM(OneBitOptimizer):
     # ---------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.check_finite_grads()
-        t = self.steps_done + 1
-        synced = self.check_synced(t) if self.plan() is Plan.VOTE else False
+        loss, t, plan = self.begin_step(closure)
+        synced = self.check_synced(t) if plan is Plan.VOTE else False
         index = self._index_of()
         for group in self.param_groups:
             for p in group["params"]:

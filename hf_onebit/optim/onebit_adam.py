@@ -114,13 +114,7 @@ class OneBitAdam(ZeroGradientMasks, OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.check_finite_grads()
-        t = self.steps_done + 1
-        plan = self.plan()
+        loss, t, plan = self.begin_step(closure)
         synced = self.check_synced(t) if plan is Plan.COMPRESS_MOMENTUM else False
         if plan is Plan.COMPRESS_MOMENTUM and t == self.freeze_step + 1:
             self.freeze_masks()

@@ -297,13 +297,7 @@ class OneBitLamb(ZeroGradientMasks, OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.check_finite_grads()
-        t = self.steps_done + 1
-        plan = self.plan()
+        loss, t, plan = self.begin_step(closure)
         compress = plan is Plan.COMPRESS_MOMENTUM
         synced = self.check_synced(t) if compress else False
         for group in self.param_groups:

@@ -108,9 +108,10 @@ class ZeroOneAdam(OneBitOptimizer):
     :func:`hf_onebit.attach`, then ``optimizer.load_rank_state_dict`` (which writes this rank's
     own parameters back). A run stopped between two syncs then continues bitwise identically.
 
-    fp16 with ``GradScaler``: in the local phase ranks see different gradients, so one rank may
-    skip a step that others take; the step counters would then diverge and the next sync
-    mismatch. Use bf16 (or make sure overflow skips happen on all ranks).
+    fp16 with ``GradScaler``: in the local phase ranks see different gradients, so one rank could
+    skip a step that others take, and the step counters and sync schedules would diverge. With a
+    scaler attached, the hook therefore exchanges one 4-byte finiteness flag per bucket on local
+    steps (1 round; see ``OneBitOptimizer._finite_vote``), so every rank skips together.
     """
 
     def __init__(
@@ -283,13 +284,7 @@ class ZeroOneAdam(OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.check_finite_grads()
-        t = self.steps_done + 1
-        plan = self.plan()
+        loss, t, plan = self.begin_step(closure)
         if plan is not Plan.ALLREDUCE:
             # Every other plan needs the hook: without it DDP would all-reduce at full precision
             # (1-bit steps: more traffic; local steps: not local at all).

@@ -229,12 +229,11 @@ def test_every_phase_matches_the_spec(world_size, tmp_path):
             full = main[r]["history"][SAVE_AT + k]
             assert all(torch.equal(a, b) for a, b in zip(params, full)), (r, SAVE_AT + 1 + k)
         assert [rec["plan"] for rec in resumed[r]["steps"]] == SCHEDULE[SAVE_AT:]
-    # onebit_stats() of the resumed run covers local-phase steps only: 3 syncs in 10 steps, each
-    # 3 rounds per compressed buffer
-    nseg = len(main[0]["segments"])
-    rstats = resumed[0]["stats"]
-    assert rstats["rounds"] == 3 * nseg * SCHEDULE[SAVE_AT:].count(S)
-    assert rstats["rounds"] // (3 * nseg) < STEPS - SAVE_AT
+    # the traffic counters travel with the per-rank state: the resumed run's totals equal the
+    # uninterrupted run's, and the local phase communicated on fewer steps than it ran
+    rstats, fstats = resumed[0]["stats"], main[0]["stats"]
+    assert (rstats["rounds"], rstats["bytes_sent"]) == (fstats["rounds"], fstats["bytes_sent"])
+    assert SCHEDULE[SAVE_AT:].count(S) < STEPS - SAVE_AT
 
 
 # ---------------------------------------------------------------- one process (no DDP)
