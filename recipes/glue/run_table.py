@@ -67,11 +67,15 @@ def gb(n: float) -> str:
 
 
 def table(reports: list[dict]) -> str:
-    base = next((r for r in reports if r["table"]["name"] == "adamw"), None)
-    base_acc = base["eval"]["validation"]["accuracy"] if base else None
-    rows = ["| method | hyperparameters | dev accuracy | Δ vs AdamW (points) | dev loss | bytes sent (rank 0) |"
-            " fp32 all-reduce | ratio | training time | wall time (load avg before → after) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    """Markdown rows; Δ compares with the AdamW run of the same seed (``adamw`` or ``adamw-seed<N>``)."""
+    base = {}
+    for r in reports:
+        name = r["table"]["name"]
+        if name == "adamw" or (name.startswith("adamw-seed") and name[len("adamw-seed"):].isdigit()):
+            base[r["seed"]] = r["eval"]["validation"]["accuracy"]
+    rows = ["| run | hyperparameters | seed | dev accuracy | Δ vs AdamW, same seed (points) | dev loss |"
+            " bytes sent (rank 0) | fp32 all-reduce | ratio | training time | wall time (load avg before → after) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in reports:
         t, w, ev = r["table"], r["wire"], r["eval"]["validation"]
         hp = [f"lr {r['learning_rate']:g}"]
@@ -84,9 +88,9 @@ def table(reports: list[dict]) -> str:
         hp.append(f"max_grad_norm {r['max_grad_norm']:g}")
         if r.get("optim_args"):
             hp.append(str(r["optim_args"]))
-        delta = "" if base_acc is None else f"{100 * (ev['accuracy'] - base_acc):+.1f}"
+        delta = f"{100 * (ev['accuracy'] - base[r['seed']]):+.1f}" if r["seed"] in base else ""
         rows.append(
-            f"| {t['name']} | {', '.join(hp)} | {100 * ev['accuracy']:.1f} | {delta} | {ev['loss']:.3f} |"
+            f"| {t['name']} | {', '.join(hp)} | {r['seed']} | {100 * ev['accuracy']:.1f} | {delta} | {ev['loss']:.3f} |"
             f" {gb(w['bytes_sent'])} | {gb(w['fp32_allreduce_bytes'])} | {w['ratio']:.1f}x |"
             f" {r['train_seconds']:.0f} s | {t['wall_seconds']:.0f} s ({t['load_before'][0]:.1f} → {t['load_after'][0]:.1f}) |"
         )
