@@ -67,6 +67,7 @@ def build_method(method: str, model, args):
 
     params = [p for p in model.parameters() if p.requires_grad]
     f = max(2, round(args.freeze_frac * args.steps))
+    extra = json.loads(args.onebit_args or "{}")  # e.g. {"precondition": false}
     if method in ("adamw", "fp16", "powersgd"):
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
         # One bucket for PowerSGD on gloo (see benchmarks/network.py: several buckets in flight
@@ -83,15 +84,15 @@ def build_method(method: str, model, args):
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return opt, ddp
     if method == "onebit_adam":
-        opt = hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=f)
+        opt = hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=f, **extra)
     elif method == "zeroone_adam":
         opt = hf_onebit.ZeroOneAdam(params, lr=args.lr, betas=(0.9, 0.99), var_freeze_step=f,
                                     var_update_scaler=max(1, f // 4), local_step_scaler=max(1, args.steps // 10),
-                                    local_step_clipper=16)
+                                    local_step_clipper=16, **extra)
     elif method == "onebit_lamb":
-        opt = hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=f)
+        opt = hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=f, **extra)
     elif method == "binsgdm":
-        opt = hf_onebit.BinSGDM(params, lr=args.lr)
+        opt = hf_onebit.BinSGDM(params, lr=args.lr, **extra)
     else:
         raise ValueError(method)
     ddp = DDP(model)
@@ -244,6 +245,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--train-key-bias", action="store_true",
                         help="train the attention key biases (frozen by default; see benchmarks/network.py)")
+    parser.add_argument("--onebit-args", default=None,
+                        help='JSON of extra keyword arguments for the hf_onebit optimizers, e.g. \'{"precondition": false}\'')
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot-dir", type=Path, default=None)
     parser.add_argument("--plot-from", type=Path, default=None, help="only plot the results of an earlier --json")

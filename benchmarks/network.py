@@ -386,6 +386,7 @@ def build_method(method: str, model, args):
 
     params = [p for p in model.parameters() if p.requires_grad]
     f = args.freeze
+    extra = json.loads(getattr(args, "onebit_args", None) or "{}")  # e.g. {"precondition": false}
     counter = None
     if method in ("adamw", "fp16", "powersgd"):
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -409,15 +410,15 @@ def build_method(method: str, model, args):
             counter = BuiltinAllReduceCount(ddp, params)
         return opt, ddp, counter
     if method == "onebit_adam":
-        opt = hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=f)
+        opt = hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=f, **extra)
     elif method == "zeroone_adam":
         opt = hf_onebit.ZeroOneAdam(params, lr=args.lr, betas=(0.9, 0.99), var_freeze_step=f,
                                     var_update_scaler=max(1, f // 4), local_step_scaler=max(1, args.steps // 10),
-                                    local_step_clipper=16)
+                                    local_step_clipper=16, **extra)
     elif method == "onebit_lamb":
-        opt = hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=f)
+        opt = hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=f, **extra)
     elif method == "binsgdm":
-        opt = hf_onebit.BinSGDM(params, lr=args.lr)
+        opt = hf_onebit.BinSGDM(params, lr=args.lr, **extra)
     else:
         raise ValueError(method)
     ddp = DDP(model)
