@@ -97,11 +97,9 @@ class OneBitAdam(ZeroGradientMasks, OneBitOptimizer):
         beta1 = self._group_map()[id(p)]["betas"][0]
         m = self.state[p]["exp_avg"].reshape(-1)
         g = grad.reshape(-1)
-        if g.dtype == torch.float32 and inv_scale == 1.0:
-            torch.mul(g, 1 - beta1, out=out)
-        else:
-            out.copy_(g).mul_((1 - beta1) * inv_scale)
-        out.add_(m, alpha=beta1)
+        if not (g.dtype == torch.float32 and inv_scale == 1.0):
+            g = out.copy_(g).mul_(inv_scale)
+        torch.lerp(m, g, 1 - beta1, out=out)  # β1·m + (1-β1)·g in one pass (out may alias g)
 
     # ---------------------------------------------------------------- step
     def _init_state(self, p: torch.Tensor) -> dict:
