@@ -83,6 +83,10 @@ class OneBitAdamSimulation:
                 self.v[k] = (b2 * self.v[k] + (1 - b2) * g * g).astype(np.float32)
                 self.seen[k] |= g != 0
         else:
+            if t == self.F + 1 and self.auto_mask:  # the mask is fixed when compression starts
+                bc2 = (1 - self.b2 ** max(self.F, 1)) if self.bc else 1.0
+                self.seen = [s & (np.sqrt(v / np.float32(bc2)) >= np.float32(0.01 * self.eps))
+                             for s, v in zip(self.seen, self.v)]
             for seg in self.segments:
                 local = [np.concatenate([(b1 * self.m[k] + (1 - b1) * grads[r][k]).ravel() for k in seg])
                          for r in range(self.n)]
@@ -91,7 +95,7 @@ class OneBitAdamSimulation:
                 for k in seg:
                     size = self.p[k].size
                     self.m[k] = avg[off: off + size].reshape(self.p[k].shape)
-                    if self.auto_mask:  # spec §2 "Mask": never-updated coordinates stay at zero
+                    if self.auto_mask:  # spec §2 "Mask" (+ tiny RMS gradient): momentum stays at zero
                         self.m[k] = self.m[k] * self.seen[k]
                     off += size
         for k in range(len(self.p)):

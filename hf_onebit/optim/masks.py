@@ -6,19 +6,40 @@ hands it ``±scale`` every step like any other coordinate, and with ``v == 0`` t
 ``scale / eps``: such coordinates would run away. DeepSpeed made the user pass a mask; here the
 optimizer records during warmup which coordinates were ever non-zero and masks the others when
 compression starts (``auto_mask``), unless a mask was set explicitly with ``set_mask``.
+
+The same runaway hits coordinates whose gradient is not exactly zero but negligible: BERT's
+attention key biases get ~1e-12 (softmax ignores the constant they add), so ``sqrt(v) << eps``
+and 1-bit Adam moved them by ~12 per step from scratch. ``auto_mask`` therefore also masks
+coordinates whose frozen RMS gradient ``sqrt(v̂)`` is below ``eps / 100``: under Adam such a
+coordinate moves by at most ``lr·sqrt(v̂)/(sqrt(v̂)+eps)`` < 1% of a normal step, so keeping it
+still changes almost nothing, while compressing it multiplies its step by ``scale / eps``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from hf_onebit.optim.base import logger
 
 
+#: ``auto_mask`` masks coordinates whose frozen ``sqrt(v̂)`` is below this fraction of ``eps``.
+TINY_GRADIENT_RMS = 0.01
+
+
 class ZeroGradientMasks:
-    """Mixin for :class:`~hf_onebit.optim.base.OneBitOptimizer` subclasses with a warmup."""
+    """Mixin for :class:`~hf_onebit.optim.base.OneBitOptimizer` subclasses with a warmup.
+
+    Subclasses keep the variance in ``state["exp_avg_sq"]`` and say how it is bias-corrected
+    when frozen (:meth:`frozen_variance_correction`).
+    """
 
     auto_mask: bool = True
+
+    def frozen_variance_correction(self, group: dict) -> float:
+        """``v̂ = v / this`` for the frozen variance (1.0: no bias correction)."""
+        return 1.0
 
     def set_mask(self, p: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Override the compression mask of ``p`` (True/1 = keep, False/0 = keep the momentum at zero).
@@ -48,16 +69,28 @@ class ZeroGradientMasks:
 
     def freeze_masks(self) -> int:
         """When compression starts: turn "never non-zero" into masks; returns how many were masked."""
-        masked = 0
+        zero = tiny = 0
+        groups = self._group_map()
         for p in self.params_in_order():
             state = self.state.get(p, {})
             nonzero = state.pop("nonzero", None)
             if nonzero is None or state.get("mask_explicit") or not self.auto_mask:
                 continue
-            nonzero = nonzero.bool()
-            if not bool(nonzero.all()):
-                state["mask"] = nonzero  # bool: 1 byte per coordinate
-                masked += int((~nonzero).sum())
-        if masked and self.rank == 0:
-            logger.warning("hf_onebit: masking %d coordinates whose gradient was zero on every warmup step", masked)
-        return masked
+            keep = nonzero.bool()
+            zero += int((~keep).sum())
+            if "exp_avg_sq" in state:
+                group = groups[id(p)]
+                # sqrt(v / c) >= TINY·eps  <=>  sqrt(v) >= TINY·eps·sqrt(c): no temporary for v / c
+                threshold = TINY_GRADIENT_RMS * group["eps"] * math.sqrt(self.frozen_variance_correction(group))
+                above = state["exp_avg_sq"].sqrt() >= threshold
+                tiny += int((keep & ~above).sum())
+                keep &= above
+            if not bool(keep.all()):
+                state["mask"] = keep  # bool: 1 byte per coordinate
+        if (zero or tiny) and self.rank == 0:
+            logger.warning(
+                "hf_onebit: masking %d coordinates whose gradient was zero on every warmup step and %d whose"
+                " RMS gradient stayed below eps/%d (their momentum stays zero; opt.set_mask overrides)",
+                zero, tiny, round(1 / TINY_GRADIENT_RMS),
+            )
+        return zero + tiny

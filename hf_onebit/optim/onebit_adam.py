@@ -10,8 +10,9 @@ uncompressed method. From step ``freeze_step + 1`` the hook computes each rank's
 momentum (``.grad`` after the hook) as ``m`` and applies the Adam update with the frozen ``v``.
 
 Coordinates whose gradient was exactly zero on every warmup step (e.g. unused position
-embeddings) would otherwise receive ``±scale`` from the compressor forever: they are masked
-when compression starts (``auto_mask``), or by a mask given with :meth:`set_mask`.
+embeddings), or whose RMS gradient stayed below ``eps/100`` (e.g. attention key biases), would
+otherwise receive ``±scale`` from the compressor forever: they are masked when compression
+starts (``auto_mask``, see :mod:`hf_onebit.optim.masks`), or by a mask given with :meth:`set_mask`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class OneBitAdam(ZeroGradientMasks, OneBitOptimizer):
             Published guidance: 15-25% of the run (BERT-Large: 23k of ~150k; SQuAD: 400).
         bias_correction: apply Adam's bias corrections (the variance correction is frozen at
             ``freeze_step`` too). ``False`` reproduces DeepSpeed's trajectories.
-        auto_mask: mask coordinates whose averaged gradient was exactly zero on every warmup step.
+        auto_mask: mask coordinates whose averaged gradient was exactly zero on every warmup step,
+            or whose frozen ``sqrt(v̂)`` is below ``eps/100``.
     """
 
     def __init__(
@@ -89,6 +91,11 @@ class OneBitAdam(ZeroGradientMasks, OneBitOptimizer):
 
     def global_state(self) -> dict:
         return {**super().global_state(), "freeze_step": self.freeze_step}
+
+    def frozen_variance_correction(self, group: dict) -> float:
+        if not group["bias_correction"]:
+            return 1.0
+        return 1 - group["betas"][1] ** max(self.freeze_step, 1)
 
     # ---------------------------------------------------------------- the hook side
     def prepare_send(self, plan, p, grad, out, inv_scale) -> None:

@@ -127,7 +127,8 @@ class OneBitLamb(ZeroGradientMasks, OneBitOptimizer):
         factor_max, factor_min: bounds of the compression-phase factor ``f`` (``0 < min <= max``).
         factor_threshold: largest relative change of ``f`` from one step to the next (``>= 0``).
         auto_mask: mask (keep at zero) momentum coordinates whose averaged gradient was exactly
-            zero on every warmup step, e.g. unused embedding rows, which would otherwise receive
+            zero on every warmup step, e.g. unused embedding rows, or whose ``sqrt(v)`` stayed
+            below ``eps/100`` (e.g. attention key biases), which would otherwise receive
             ``±scale`` from the compressor and, with ``v == 0`` there, steps of size
             ``scale/eps``. :meth:`set_mask` overrides it per parameter.
     """

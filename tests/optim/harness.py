@@ -26,14 +26,19 @@ class FixedGradModel(torch.nn.Module):
         return sum((p * c).sum() for p, c in zip(self.ps, coeffs))
 
 
-def fixed_grads(step: int, rank: int) -> list[torch.Tensor]:
-    """Gradient of every parameter on ``rank`` at ``step`` (1-based); rank-dependent and varied."""
+def fixed_grads(step: int, rank: int, tiny: bool = False) -> list[torch.Tensor]:
+    """Gradient of every parameter on ``rank`` at ``step`` (1-based); rank-dependent and varied.
+
+    ``tiny``: parameter 3's first 20 coordinates get gradients of ~1e-12 (like attention key biases).
+    """
     g = torch.Generator().manual_seed(7919 * step + 104729 * (rank + 1))
     out = []
     for k, s in enumerate(SHAPES):
         c = torch.randn(s, generator=g) * (0.5 + rank) * (1 + 0.3 * k)
         if k == 1:  # an "unused embedding row": always exactly zero on every rank
             c[:50] = 0
+        if k == 3 and tiny:  # "attention key biases": tiny but non-zero (RMS far below eps)
+            c[:20] *= 1e-12
         out.append(c)
     return out
 
@@ -51,7 +56,7 @@ def build_optimizer(name: str, params, kwargs: dict):
 
 
 def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=None, resume_dir=None,
-          bucket_cap_mb=0.01, start_step=0, record_steps=False):
+          bucket_cap_mb=0.01, start_step=0, record_steps=False, tiny_grads=False):
     """Train for ``steps`` steps; return the parameters after every step and some stats.
 
     With ``save_dir``/``save_at`` the optimizer, model and per-rank state are saved after step
@@ -76,7 +81,7 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
     per_step = []
     for step in range(start_step + 1, start_step + steps + 1):
         plan = opt.plan().value if record_steps else None
-        coeffs = fixed_grads(step, rank)
+        coeffs = fixed_grads(step, rank, tiny_grads)
         loss = ddp(coeffs)
         loss.backward()
         opt.step()

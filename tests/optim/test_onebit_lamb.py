@@ -88,7 +88,9 @@ class OneBitLambSimulation:
             mean = sum(r) / K
             self.scaling = [np.float32(mean / x) if (x > 0 and self.use_scaling) else np.float32(1) for x in r]
             if self.auto_mask and self.F > 0:
-                self.mask = [s.astype(np.float32) for s in self.seen]
+                # auto_mask: never non-zero, or sqrt(v) below eps/100 (no bias correction in LAMB)
+                self.mask = [(s & (np.sqrt(v) >= np.float32(0.01 * self.eps))).astype(np.float32)
+                             for s, v in zip(self.seen, self.v)]
         m_prev = [x.copy() for x in self.m]
         for seg in self.segments:
             local = [np.concatenate([((b1 * self.m[k] + (1 - b1) * grads[r][k]) * self.scaling[k]).ravel()
