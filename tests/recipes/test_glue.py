@@ -223,6 +223,7 @@ def test_embedded_task_two_processes_onebit_adam(tmp_path, tiny_model):
         found = [x for x in lines if x.startswith(start)]
         assert len(found) == 1, f"{start!r} not printed once (rank 0 only):\n{res.output[-3000:]}"
     r = report_of(out)
+    assert r["max_grad_norm"] == 0.0  # the recipe turns clipping off for 1-bit Adam when not given
     assert r["world_size"] == 2 and r["steps"] == 6 and r["freeze_step"] == 2  # 40% of a short run
     ev = r["eval"]["validation"]
     assert 0.0 <= ev["accuracy"] <= 1.0 and ev["samples"] == 48 and ev["loss"] > 0
