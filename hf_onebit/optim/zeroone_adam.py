@@ -13,6 +13,13 @@ Spec §3. Two phases:
   1-bit compressed all-reduce, move every parameter to ``last synced point + ū/(sqrt(v)+eps)``
   and restart from the momentum ``-ū/λ``. After ``local_step_scaler`` local-phase steps the
   interval between syncs doubles, up to ``local_step_clipper``.
+
+Deviation from the spec (which has no mask): with ``auto_mask`` (default) coordinates whose
+averaged gradient was zero on every variance step so far, or whose ``sqrt(v)`` is below
+``eps/100``, are masked from the first step that compresses (a 1-bit gradient step or the
+local phase): their momentum and their synced update stay zero. Unmasked, the compressor hands
+them ``±scale`` and, with ``v ≈ 0``, they move by ``lr·scale/eps`` per step (see
+:mod:`hf_onebit.optim.masks`).
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ from hf_onebit.optim.base import (
     check_nonneg_int,
     check_positive_int,
 )
+from hf_onebit.optim.masks import ZeroGradientMasks
 
 
-class ZeroOneAdam(OneBitOptimizer):
+class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
     """0/1 Adam for DDP (attach it with :func:`hf_onebit.attach`).
 
     No bias correction is applied (as in the paper and DeepSpeed). Hyperparameter names and
@@ -48,6 +56,9 @@ class ZeroOneAdam(OneBitOptimizer):
         local_step_scaler: number of local-phase steps after which the interval between syncs
             doubles (integer >= 1).
         local_step_clipper: largest interval between syncs (integer >= 1).
+        auto_mask: from the first compressing step, keep at zero the momentum and synced update
+            of coordinates whose averaged gradient was zero on every variance step, or whose
+            ``sqrt(v)`` is below ``eps/100`` (not in the spec; ``False`` follows it exactly).
 
     Phases and what each step communicates (``n`` ranks):
 
@@ -125,6 +136,7 @@ class ZeroOneAdam(OneBitOptimizer):
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
+        auto_mask: bool = True,
     ) -> None:
         check_common(lr, eps, weight_decay)
         check_betas(betas)
@@ -142,6 +154,8 @@ class ZeroOneAdam(OneBitOptimizer):
         self.var_counter = 0
         self.local_interval = 1
         self.local_counter = 0
+        self.auto_mask = auto_mask
+        self.masks_frozen = False  # set at the first step that compresses
 
     # ---------------------------------------------------------------- phase machine
     def plan(self) -> Plan:
@@ -160,6 +174,7 @@ class ZeroOneAdam(OneBitOptimizer):
             "var_counter": self.var_counter,
             "local_interval": self.local_interval,
             "local_counter": self.local_counter,
+            "masks_frozen": self.masks_frozen,
             # informative only: the constructor's hyperparameters win on load
             "var_freeze_step": self.var_freeze_step,
             "var_update_scaler": self.var_update_scaler,
@@ -173,6 +188,7 @@ class ZeroOneAdam(OneBitOptimizer):
         self.var_counter = int(state["var_counter"])
         self.local_interval = int(state["local_interval"])
         self.local_counter = int(state["local_counter"])
+        self.masks_frozen = bool(state.get("masks_frozen", False))
 
     # ---------------------------------------------------------------- state
     def _init_state(self, p: torch.Tensor) -> dict:
@@ -180,6 +196,7 @@ class ZeroOneAdam(OneBitOptimizer):
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            self.init_mask_tracking(p, state)
         return state
 
     def _init_local_state(self, p: torch.Tensor) -> dict:
@@ -289,6 +306,9 @@ class ZeroOneAdam(OneBitOptimizer):
             # Every other plan needs the hook: without it DDP would all-reduce at full precision
             # (1-bit steps: more traffic; local steps: not local at all).
             self.check_synced(t)
+        if plan is not Plan.ALLREDUCE and not self.masks_frozen:
+            self.freeze_masks()  # before the first compressing step: from the variance steps so far
+            self.masks_frozen = True
         if t <= self.var_freeze_step:
             self._variance_phase_step(plan)
         else:
@@ -308,7 +328,10 @@ class ZeroOneAdam(OneBitOptimizer):
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 if variance_step:
                     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    self.track_nonzero(state, grad)
                 m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                if "mask" in state:
+                    m.mul_(state["mask"])
                 self._update(p, m, v, group["lr"], group["eps"], group["weight_decay"])
         if variance_step:
             self.var_counter += 1
@@ -328,6 +351,8 @@ class ZeroOneAdam(OneBitOptimizer):
                 state = self._init_local_state(p)
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                if "mask" in state:
+                    m.mul_(state["mask"])
                 delta = self._update(p, m, v, group["lr"], group["eps"], group["weight_decay"])
                 state["momentum_accumulator"].sub_(delta)
                 state["lr_sum"] += group["lr"]
@@ -383,6 +408,8 @@ class ZeroOneAdam(OneBitOptimizer):
                 n = p.numel()
                 ubar = seg.work[off : off + n].view(p.shape)
                 off += n
+                if "mask" in state:
+                    ubar.mul_(state["mask"])
                 denom = state["exp_avg_sq"].sqrt().add_(groups[id(p)]["eps"])
                 lam = state["lr_sum"]
                 if lam > 0:  # λ = 0: no local step since the last sync (no gradient, or lr 0)
