@@ -24,6 +24,8 @@ them ``±scale`` and, with ``v ≈ 0``, they move by ``lr·scale/eps`` per step 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hf_onebit.optim.base import (
@@ -40,8 +42,8 @@ from hf_onebit.optim.masks import ZeroGradientMasks
 class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
     """0/1 Adam for DDP (attach it with :func:`hf_onebit.attach`).
 
-    No bias correction is applied (as in the paper and DeepSpeed). Hyperparameter names and
-    defaults are DeepSpeed's.
+    No bias correction by default (as in the paper and DeepSpeed; see ``bias_correction``).
+    Hyperparameter names and defaults are DeepSpeed's.
 
     Args:
         params: parameters or parameter groups.
@@ -59,6 +61,12 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
         auto_mask: from the first compressing step, keep at zero the momentum and synced update
             of coordinates whose averaged gradient was zero on every variance step, or whose
             ``sqrt(v)`` is below ``eps/100`` (not in the spec; ``False`` follows it exactly).
+        bias_correction: divide ``sqrt(v)`` by ``sqrt(1 - β2**k)``, ``k`` the number of variance
+            updates so far (frozen with ``v``). Not in the paper or DeepSpeed (``False``, the
+            default, follows them): without it ``v`` after ``k`` updates is ``1 - β2**k`` of
+            its stationary value, so early steps are up to ``1/sqrt(1 - β2**k)`` times too large
+            (3.2x after 100 updates with ``β2 = 0.999``). Recommended for short runs; the
+            momentum is not corrected (its bias only shrinks the first steps).
 
     Phases and what each step communicates (``n`` ranks):
 
@@ -137,6 +145,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
         auto_mask: bool = True,
+        bias_correction: bool = False,
     ) -> None:
         check_common(lr, eps, weight_decay)
         check_betas(betas)
@@ -156,6 +165,8 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
         self.local_counter = 0
         self.auto_mask = auto_mask
         self.masks_frozen = False  # set at the first step that compresses
+        self.bias_correction = bool(bias_correction)
+        self.var_updates = 0  # variance steps so far: the variance's bias correction is 1 - β2**var_updates
 
     # ---------------------------------------------------------------- phase machine
     def plan(self) -> Plan:
@@ -175,6 +186,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
             "local_interval": self.local_interval,
             "local_counter": self.local_counter,
             "masks_frozen": self.masks_frozen,
+            "var_updates": self.var_updates,
             # informative only: the constructor's hyperparameters win on load
             "var_freeze_step": self.var_freeze_step,
             "var_update_scaler": self.var_update_scaler,
@@ -189,6 +201,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
         self.local_interval = int(state["local_interval"])
         self.local_counter = int(state["local_counter"])
         self.masks_frozen = bool(state.get("masks_frozen", False))
+        self.var_updates = int(state.get("var_updates", 0))
 
     # ---------------------------------------------------------------- state
     def _init_state(self, p: torch.Tensor) -> dict:
@@ -279,10 +292,11 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
 
     # ---------------------------------------------------------------- step
     @staticmethod
-    def _update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: float, eps: float, wd: float) -> torch.Tensor:
+    def _update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: float, eps: float, wd: float,
+                vc: float = 1.0) -> torch.Tensor:
         """``Δ = lr·(m/(sqrt(v)+eps) + wd·p)`` (fp32); ``p -= Δ``; returns Δ."""
         p32 = p if p.dtype == torch.float32 else p.float()
-        delta = torch.div(m, v.sqrt().add_(eps))
+        delta = torch.div(m, v.sqrt().div_(vc).add_(eps))
         if wd:
             delta.add_(p32, alpha=wd)
         delta.mul_(lr)
@@ -291,6 +305,12 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
         else:  # low-precision parameters: update in fp32, round once
             p.copy_(p32.sub_(delta))
         return delta
+
+    def _vc(self, group: dict) -> float:
+        """``sqrt(1 - β2**var_updates)``: divides ``sqrt(v)`` with ``bias_correction`` (else 1)."""
+        if not self.bias_correction or self.var_updates == 0:
+            return 1.0
+        return math.sqrt(1 - group["betas"][1] ** self.var_updates)
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         if p.grad is None:
@@ -318,6 +338,8 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
 
     def _variance_phase_step(self, plan: Plan) -> None:
         variance_step = plan is Plan.ALLREDUCE
+        if variance_step:
+            self.var_updates += 1  # counts this step's update, which the loop below applies first
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -332,7 +354,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
                 m.mul_(beta1).add_(grad, alpha=1 - beta1)
                 if "mask" in state:
                     m.mul_(state["mask"])
-                self._update(p, m, v, group["lr"], group["eps"], group["weight_decay"])
+                self._update(p, m, v, group["lr"], group["eps"], group["weight_decay"], self._vc(group))
         if variance_step:
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:
@@ -353,7 +375,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
                 m.mul_(beta1).add_(grad, alpha=1 - beta1)
                 if "mask" in state:
                     m.mul_(state["mask"])
-                delta = self._update(p, m, v, group["lr"], group["eps"], group["weight_decay"])
+                delta = self._update(p, m, v, group["lr"], group["eps"], group["weight_decay"], self._vc(group))
                 state["momentum_accumulator"].sub_(delta)
                 state["lr_sum"] += group["lr"]
         if plan is Plan.SYNC_AFTER_STEP:
@@ -382,7 +404,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
                 state = self._init_local_state(p)
                 u, lam = state["momentum_accumulator"], state["lr_sum"]
                 if lam > 0:
-                    denom = state["exp_avg_sq"].sqrt().add_(groups[id(p)]["eps"])
+                    denom = state["exp_avg_sq"].sqrt().div_(self._vc(groups[id(p)])).add_(groups[id(p)]["eps"])
                     torch.mul(u, denom, out=state["exp_avg"]).div_(-lam)
                 u.zero_()
                 state["lr_sum"] = 0.0
@@ -395,7 +417,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
                 p = params[i]
                 state = self._init_local_state(p)
                 n = p.numel()
-                denom = state["exp_avg_sq"].sqrt().add_(groups[id(p)]["eps"])
+                denom = state["exp_avg_sq"].sqrt().div_(self._vc(groups[id(p)])).add_(groups[id(p)]["eps"])
                 torch.mul(state["momentum_accumulator"], denom, out=seg.work[off : off + n].view(p.shape))
                 off += n
             futures.append(self.compress_segment_async(seg, Plan.SYNC_AFTER_STEP))
@@ -410,7 +432,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
                 off += n
                 if "mask" in state:
                     ubar.mul_(state["mask"])
-                denom = state["exp_avg_sq"].sqrt().add_(groups[id(p)]["eps"])
+                denom = state["exp_avg_sq"].sqrt().div_(self._vc(groups[id(p)])).add_(groups[id(p)]["eps"])
                 lam = state["lr_sum"]
                 if lam > 0:  # λ = 0: no local step since the last sync (no gradient, or lr 0)
                     torch.div(ubar, -lam, out=state["exp_avg"])

@@ -45,11 +45,13 @@ class ZeroOneAdamSimulation:
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
-                 auto_mask=True):
+                 auto_mask=True, bias_correction=False):
         self.n = n
         # hf_onebit's deviation (auto_mask): coordinates never non-zero on a variance step, or with
         # sqrt(v) < eps/100, keep zero momentum and zero synced update from the first compressing step
         self.auto_mask, self.mask = auto_mask, None
+        # hf_onebit's option: sqrt(v) divided by sqrt(1 - β2**k), k = variance updates so far
+        self.bias_correction, self.var_updates = bias_correction, 0
         self.p = [[np.array(x, np.float32) for x in params] for _ in range(n)]  # per rank
         self.m = [[np.zeros_like(x) for x in self.p[0]] for _ in range(n)]
         self.u = [[np.zeros_like(x) for x in self.p[0]] for _ in range(n)]
@@ -64,6 +66,12 @@ class ZeroOneAdamSimulation:
         self.t, self.var_interval, self.var_counter, self.local_interval, self.local_counter = 0, 1, 0, 1, 0
         self.kinds: list[str] = []
         self.seen = [np.zeros(x.shape, bool) for x in self.v]
+
+    def _denom(self, k):
+        c = np.float32(1)
+        if self.bias_correction and self.var_updates:
+            c = np.float32(np.sqrt(1 - self.b2 ** self.var_updates))
+        return np.sqrt(self.v[k]) / c + np.float32(self.eps)
 
     def _freeze_mask(self):
         if self.mask is None:
@@ -87,7 +95,7 @@ class ZeroOneAdamSimulation:
     def step(self, grads):  # grads[rank][param]
         self.t += 1
         t, n, P = self.t, self.n, len(self.v)
-        lr, b1, b2, eps, wd = self.lr, self.b1, self.b2, self.eps, self.wd
+        lr, b1, b2, wd = self.lr, self.b1, self.b2, self.wd
         if t <= self.F:
             if t % self.var_interval == 0:
                 kind = A
@@ -96,6 +104,7 @@ class ZeroOneAdamSimulation:
                     self.v[k] = b2 * self.v[k] + (1 - b2) * gbar[k] * gbar[k]
                     self.seen[k] |= gbar[k] != 0
                 self.var_counter += 1
+                self.var_updates += 1
                 if self.var_counter == self.vus:
                     self.var_counter = 0
                     self.var_interval *= 2
@@ -108,7 +117,7 @@ class ZeroOneAdamSimulation:
                     self.m[r][k] = b1 * self.m[r][k] + (1 - b1) * gbar[k]
                     if self.mask is not None:
                         self.m[r][k] = self.m[r][k] * self.mask[k]
-                    self.p[r][k] = self.p[r][k] - lr * (self.m[r][k] / (np.sqrt(self.v[k]) + eps) + wd * self.p[r][k])
+                    self.p[r][k] = self.p[r][k] - lr * (self.m[r][k] / self._denom(k) + wd * self.p[r][k])
         else:
             if t == self.F + 1:  # entering the frozen phase: zero the error buffers
                 for comm in self.comm:
@@ -119,7 +128,7 @@ class ZeroOneAdamSimulation:
                 for k in range(P):
                     self.m[r][k] = b1 * self.m[r][k] + (1 - b1) * grads[r][k]
                     self.m[r][k] = self.m[r][k] * self.mask[k]
-                    delta = lr * (self.m[r][k] / (np.sqrt(self.v[k]) + eps) + wd * self.p[r][k])
+                    delta = lr * (self.m[r][k] / self._denom(k) + wd * self.p[r][k])
                     self.p[r][k] = self.p[r][k] - delta
                     self.u[r][k] = self.u[r][k] - delta
                 self.lam[r] += lr
@@ -130,13 +139,13 @@ class ZeroOneAdamSimulation:
                     for k in range(P):
                         self.p[r][k] = self.p[r][k] - self.u[r][k]
                 ubar = self._compressed_allreduce(
-                    [[self.u[r][k] * (np.sqrt(self.v[k]) + eps) for k in range(P)] for r in range(n)])
+                    [[self.u[r][k] * self._denom(k) for k in range(P)] for r in range(n)])
                 if n > 1:  # one process: the "compressed" all-reduce is exact, nothing to mask
                     ubar = [u * mk for u, mk in zip(ubar, self.mask)]
                 for r in range(n):
                     for k in range(P):
                         self.m[r][k] = -ubar[k] / self.lam[r]
-                        self.p[r][k] = self.p[r][k] + ubar[k] / (np.sqrt(self.v[k]) + eps)
+                        self.p[r][k] = self.p[r][k] + ubar[k] / self._denom(k)
                         self.u[r][k] = np.zeros_like(self.u[r][k])
                     self.lam[r] = 0.0
             self.local_counter += 1
@@ -173,8 +182,9 @@ def _grads(step, world_size):
 # ---------------------------------------------------------------- distributed: 2 and 4 ranks
 # A second configuration that freezes before any 1-bit step: the first sync then builds its own
 # compressed buffers in step() (segments_covering_all: parameter order, one buffer up to 25 MB).
-# It also runs without auto_mask (the spec exactly), so both variants are checked against the simulation.
-EARLY_KWARGS = dict(KWARGS, var_freeze_step=2, var_update_scaler=16, auto_mask=False)
+# It also runs without auto_mask (the spec) and with bias_correction (hf_onebit's option), so both
+# variants of each are checked against the simulation.
+EARLY_KWARGS = dict(KWARGS, var_freeze_step=2, var_update_scaler=16, auto_mask=False, bias_correction=True)
 EARLY_STEPS = 12
 
 

@@ -290,9 +290,10 @@ def test_cola_csv_string_labels_one_process(tmp_path, tiny_model, offline):
             for s, y in sentences(n, seed):
                 w.writerow([s, "acceptable" if y else "unacceptable"])
     r = run_in_process(["--model_name_or_path", tiny_model, "--task_name", "cola", "--train_file",
-                        tmp_path / "train.csv", "--validation_file", tmp_path / "dev.csv", "--optim", "adamw_torch",
+                        tmp_path / "train.csv", "--validation_file", tmp_path / "dev.csv", "--optim", "zeroone_adam",
                         "--max_steps", "2", "--output_dir", tmp_path / "out", "--use_cpu"])
     assert set(r["eval"]["validation"]) == {"matthews_correlation", "loss", "samples"}
+    assert r["optim_args"] == "bias_correction=True"  # the recipe's default for 0/1 Adam
 
 
 def test_hub_task_offline_fails_clearly(tmp_path, offline):
