@@ -67,7 +67,6 @@ def build_method(method: str, model, args):
 
     params = [p for p in model.parameters() if p.requires_grad]
     f = max(2, round(args.freeze_frac * args.steps))
-    extra = json.loads(args.onebit_args or "{}")  # e.g. {"precondition": false}
     if method in ("adamw", "fp16", "powersgd"):
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
         # One bucket for PowerSGD on gloo (see benchmarks/network.py: several buckets in flight
@@ -83,18 +82,7 @@ def build_method(method: str, model, args):
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=f)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return opt, ddp
-    if method == "onebit_adam":
-        opt = hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=f, **extra)
-    elif method == "zeroone_adam":
-        opt = hf_onebit.ZeroOneAdam(params, lr=args.lr, betas=(0.9, 0.99), var_freeze_step=f,
-                                    var_update_scaler=max(1, f // 4), local_step_scaler=max(1, args.steps // 10),
-                                    local_step_clipper=16, **extra)
-    elif method == "onebit_lamb":
-        opt = hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=f, **extra)
-    elif method == "binsgdm":
-        opt = hf_onebit.BinSGDM(params, lr=args.lr, **extra)
-    else:
-        raise ValueError(method)
+    opt = network.onebit_optimizer(method, params, args, f)
     ddp = DDP(model)
     hf_onebit.attach(ddp, opt)
     return opt, ddp
@@ -180,8 +168,7 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     how = (f"{meta['command']}  |  {meta['machine']}, {meta['world_size']} gloo ranks, unthrottled loopback,"
            f" {meta['date']}, 1-min load average {meta['load_start'].split()[0]} at start,"
            f" {meta.get('load_end', '?').split()[0]} at the end (other jobs shared the machine)")
-    colors = {m: c for m, c in zip(METHODS, ["black", "tab:gray", "tab:purple", "tab:blue", "tab:green",
-                                                "tab:orange", "tab:red"])}
+    colors = network.COLORS
     runs = results["methods"]
     plot_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -207,12 +194,7 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     fig.suptitle(f"Fine-tuning all-MiniLM-L6-v2 (11.0M of 22.7M parameters trained) on Rotten Tomatoes fresh/rotten:"
                  f" {meta['steps']} steps,"
                  f" global batch {meta['world_size'] * meta['batch']}, lr {meta['lr']:g} (1-bit LAMB {meta['lamb_lr']:g})")
-    network.footer(fig, how)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    p = plot_dir / "convergence_loss_vs_step.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(network.save_plot(fig, how, plot_dir / "convergence_loss_vs_step.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for m, r in runs.items():
@@ -222,12 +204,7 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     ax.set_title("Fine-tuning loss vs wall time, unthrottled loopback (compute-bound)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    network.footer(fig, how)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    p = plot_dir / "convergence_loss_vs_time.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(network.save_plot(fig, how, plot_dir / "convergence_loss_vs_time.png", bottom=0.06))
     return paths
 
 
@@ -246,7 +223,7 @@ def main() -> None:
     parser.add_argument("--train-key-bias", action="store_true",
                         help="train the attention key biases (frozen by default; see benchmarks/network.py)")
     parser.add_argument("--onebit-args", default=None,
-                        help='JSON of extra keyword arguments for the hf_onebit optimizers, e.g. \'{"precondition": false}\'')
+                        help='JSON of extra keyword arguments for the hf_onebit optimizers, e.g. \'{"bias_correction": true}\'')
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot-dir", type=Path, default=None)
     parser.add_argument("--plot-from", type=Path, default=None, help="only plot the results of an earlier --json")

@@ -386,7 +386,6 @@ def build_method(method: str, model, args):
 
     params = [p for p in model.parameters() if p.requires_grad]
     f = args.freeze
-    extra = json.loads(getattr(args, "onebit_args", None) or "{}")  # e.g. {"precondition": false}
     counter = None
     if method in ("adamw", "fp16", "powersgd"):
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -409,21 +408,32 @@ def build_method(method: str, model, args):
         else:
             counter = BuiltinAllReduceCount(ddp, params)
         return opt, ddp, counter
-    if method == "onebit_adam":
-        opt = hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=f, **extra)
-    elif method == "zeroone_adam":
-        opt = hf_onebit.ZeroOneAdam(params, lr=args.lr, betas=(0.9, 0.99), var_freeze_step=f,
-                                    var_update_scaler=max(1, f // 4), local_step_scaler=max(1, args.steps // 10),
-                                    local_step_clipper=16, **extra)
-    elif method == "onebit_lamb":
-        opt = hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=f, **extra)
-    elif method == "binsgdm":
-        opt = hf_onebit.BinSGDM(params, lr=args.lr, **extra)
-    else:
-        raise ValueError(method)
+    opt = onebit_optimizer(method, params, args, f)
     ddp = DDP(model)
     hf_onebit.attach(ddp, opt)
     return opt, ddp, OneBitCount(opt)
+
+
+def onebit_optimizer(method: str, params, args, freeze: int):
+    """The hf_onebit optimizer of ``method`` as the benchmarks configure it (also convergence.py's).
+
+    Hyperparameters follow the published guidance scaled to a run of ``args.steps`` steps;
+    ``args.onebit_args`` (JSON) adds keyword arguments, e.g. ``{"bias_correction": true}``.
+    """
+    import hf_onebit
+
+    extra = json.loads(args.onebit_args or "{}")
+    if method == "onebit_adam":
+        return hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=freeze, **extra)
+    if method == "zeroone_adam":
+        return hf_onebit.ZeroOneAdam(params, lr=args.lr, betas=(0.9, 0.99), var_freeze_step=freeze,
+                                     var_update_scaler=max(1, freeze // 4), local_step_scaler=max(1, args.steps // 10),
+                                     local_step_clipper=16, **extra)
+    if method == "onebit_lamb":
+        return hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=freeze, **extra)
+    if method == "binsgdm":
+        return hf_onebit.BinSGDM(params, lr=args.lr, **extra)
+    raise ValueError(method)
 
 
 class AllReduceCounter:
@@ -899,6 +909,21 @@ def footer(fig, text: str) -> None:
     fig.text(0.01, 0.01, text, fontsize=7, color="0.3", ha="left", va="bottom", wrap=True)
 
 
+def save_plot(fig, how: str, path: Path, bottom: float = 0.05) -> Path:
+    """Add the how-it-was-made footer, lay out above it, write the PNG and free the figure."""
+    import matplotlib.pyplot as plt
+
+    footer(fig, how)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+#: one colour per method in every plot (network.py and convergence.py)
+COLORS = dict(zip(METHODS, ["black", "tab:gray", "tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:red"]))
+
+
 def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -914,8 +939,7 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
            " shared the machine)")
     rates = results["rates"]
     methods = [m for m in METHODS if any(m in r["summary"]["rows"] for r in rates)]
-    colors = {m: c for m, c in zip(METHODS, ["black", "tab:gray", "tab:purple", "tab:blue", "tab:green",
-                                                "tab:orange", "tab:red"])}
+    colors = COLORS
     markers = {m: mk for m, mk in zip(METHODS, "os^DvPX")}
     paths = []
 
@@ -947,12 +971,7 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     axes[1].legend(fontsize=8, loc="lower right")
     fig.suptitle(f"Throughput vs bandwidth: {model_title(results)}, {meta['world_size']} ranks,"
                  f" {meta['steps']} steps, freeze {meta['freeze']}")
-    footer(fig, how)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    p = plot_dir / "network_throughput.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(save_plot(fig, how, plot_dir / "network_throughput.png"))
 
     # 2. bytes per step
     ref = rates[0]["summary"]["rows"]
@@ -976,12 +995,7 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     ax.set_title("Bytes on the wire per step (counters; hf_onebit/comm/stats.py accounting)")
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    footer(fig, how)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    p = plot_dir / "network_bytes.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(save_plot(fig, how, plot_dir / "network_bytes.png"))
 
     # 3. loss vs wall time at the slowest and fastest rate; loss vs step
     shown = [min((r for r in rates if r["bits_per_s"]), key=lambda r: r["bits_per_s"], default=None),
@@ -1016,12 +1030,7 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.suptitle(f"Training loss of each method, {model_title(results)} (dotted line: target loss;"
                  " curves that leave the frame diverged)")
-    footer(fig, how)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    p = plot_dir / "network_loss.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(save_plot(fig, how, plot_dir / "network_loss.png"))
     return paths
 
 
@@ -1121,7 +1130,8 @@ def worker_args(args) -> list[str]:
             "--seq", str(args.seq), "--lr", str(args.lr), "--lamb-lr", str(args.lamb_lr), "--seed", str(args.seed),
             "--threads", str(args.threads), "--pg-timeout", str(args.pg_timeout), "--model", args.model,
             "--repeats", str(args.repeats), *(["--probe"] if args.probe else []),
-            *(["--train-key-bias"] if args.train_key_bias else []), "--methods", *args.methods]
+            *(["--train-key-bias"] if args.train_key_bias else []),
+            *(["--onebit-args", args.onebit_args] if args.onebit_args else []), "--methods", *args.methods]
 
 
 def main() -> None:
@@ -1144,6 +1154,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores / ranks)")
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--target-loss", type=float, default=None)
+    parser.add_argument("--onebit-args", default=None,
+                        help='JSON of extra keyword arguments for the hf_onebit optimizers, e.g. \'{"bias_correction": true}\'')
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the methods this many times, round-robin; timings are medians")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
