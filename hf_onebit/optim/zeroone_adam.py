@@ -292,11 +292,10 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
 
     # ---------------------------------------------------------------- step
     @staticmethod
-    def _update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: float, eps: float, wd: float,
-                vc: float = 1.0) -> torch.Tensor:
-        """``Δ = lr·(m/(sqrt(v)+eps) + wd·p)`` (fp32); ``p -= Δ``; returns Δ."""
+    def _update(p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, wd: float) -> torch.Tensor:
+        """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``; ``p -= Δ``; returns Δ."""
         p32 = p if p.dtype == torch.float32 else p.float()
-        delta = torch.div(m, v.sqrt().div_(vc).add_(eps))
+        delta = torch.div(m, denom)
         if wd:
             delta.add_(p32, alpha=wd)
         delta.mul_(lr)
@@ -306,11 +305,12 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
             p.copy_(p32.sub_(delta))
         return delta
 
-    def _vc(self, group: dict) -> float:
-        """``sqrt(1 - β2**var_updates)``: divides ``sqrt(v)`` with ``bias_correction`` (else 1)."""
-        if not self.bias_correction or self.var_updates == 0:
-            return 1.0
-        return math.sqrt(1 - group["betas"][1] ** self.var_updates)
+    def _denominator(self, state: dict, group: dict) -> torch.Tensor:
+        """``sqrt(v) + eps``, with ``bias_correction`` ``sqrt(v)/sqrt(1 - β2**var_updates) + eps`` (new tensor)."""
+        denom = state["exp_avg_sq"].sqrt()
+        if self.bias_correction and self.var_updates:
+            denom.div_(math.sqrt(1 - group["betas"][1] ** self.var_updates))
+        return denom.add_(group["eps"])
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         if p.grad is None:
@@ -354,7 +354,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
                 m.mul_(beta1).add_(grad, alpha=1 - beta1)
                 if "mask" in state:
                     m.mul_(state["mask"])
-                self._update(p, m, v, group["lr"], group["eps"], group["weight_decay"], self._vc(group))
+                self._update(p, m, self._denominator(state, group), group["lr"], group["weight_decay"])
         if variance_step:
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:
@@ -371,11 +371,11 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
                 if grad is None:
                     continue
                 state = self._init_local_state(p)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m = state["exp_avg"]
                 m.mul_(beta1).add_(grad, alpha=1 - beta1)
                 if "mask" in state:
                     m.mul_(state["mask"])
-                delta = self._update(p, m, v, group["lr"], group["eps"], group["weight_decay"], self._vc(group))
+                delta = self._update(p, m, self._denominator(state, group), group["lr"], group["weight_decay"])
                 state["momentum_accumulator"].sub_(delta)
                 state["lr_sum"] += group["lr"]
         if plan is Plan.SYNC_AFTER_STEP:
@@ -404,7 +404,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
                 state = self._init_local_state(p)
                 u, lam = state["momentum_accumulator"], state["lr_sum"]
                 if lam > 0:
-                    denom = state["exp_avg_sq"].sqrt().div_(self._vc(groups[id(p)])).add_(groups[id(p)]["eps"])
+                    denom = self._denominator(state, groups[id(p)])
                     torch.mul(u, denom, out=state["exp_avg"]).div_(-lam)
                 u.zero_()
                 state["lr_sum"] = 0.0
@@ -417,7 +417,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
                 p = params[i]
                 state = self._init_local_state(p)
                 n = p.numel()
-                denom = state["exp_avg_sq"].sqrt().div_(self._vc(groups[id(p)])).add_(groups[id(p)]["eps"])
+                denom = self._denominator(state, groups[id(p)])
                 torch.mul(state["momentum_accumulator"], denom, out=seg.work[off : off + n].view(p.shape))
                 off += n
             futures.append(self.compress_segment_async(seg, Plan.SYNC_AFTER_STEP))
@@ -432,7 +432,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
                 off += n
                 if "mask" in state:
                     ubar.mul_(state["mask"])
-                denom = state["exp_avg_sq"].sqrt().div_(self._vc(groups[id(p)])).add_(groups[id(p)]["eps"])
+                denom = self._denominator(state, groups[id(p)])
                 lam = state["lr_sum"]
                 if lam > 0:  # λ = 0: no local step since the last sync (no gradient, or lr 0)
                     torch.div(ubar, -lam, out=state["exp_avg"])
