@@ -18,6 +18,11 @@ def _sign(y: np.ndarray) -> np.ndarray:
     return np.where(y >= 0, np.float32(1), np.float32(-1)).astype(np.float32)
 
 
+def keep_mask(seen: np.ndarray, v_hat: np.ndarray, eps: float) -> np.ndarray:
+    """hf_onebit's ``auto_mask``: keep coordinates ever non-zero whose ``sqrt(v̂)`` is at least eps/100."""
+    return seen & (np.sqrt(v_hat) >= np.float32(0.01 * eps))
+
+
 class SpecSimulation:
     """n workers and n servers of spec §1 in one process."""
 
@@ -85,8 +90,7 @@ class OneBitAdamSimulation:
         else:
             if t == self.F + 1 and self.auto_mask:  # the mask is fixed when compression starts
                 bc2 = (1 - self.b2 ** max(self.F, 1)) if self.bc else 1.0
-                self.seen = [s & (np.sqrt(v / np.float32(bc2)) >= np.float32(0.01 * self.eps))
-                             for s, v in zip(self.seen, self.v)]
+                self.seen = [keep_mask(s, v / np.float32(bc2), self.eps) for s, v in zip(self.seen, self.v)]
             for seg in self.segments:
                 local = [np.concatenate([(b1 * self.m[k] + (1 - b1) * grads[r][k]).ravel() for k in seg])
                          for r in range(self.n)]

@@ -15,7 +15,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
-from tests.simulation import SpecSimulation
+from tests.simulation import SpecSimulation, keep_mask
 
 OPT = "hf_onebit.optim.onebit_lamb:OneBitLamb"
 
@@ -89,8 +89,7 @@ class OneBitLambSimulation:
             self.scaling = [np.float32(mean / x) if (x > 0 and self.use_scaling) else np.float32(1) for x in r]
             if self.auto_mask and self.F > 0:
                 # auto_mask: never non-zero, or sqrt(v) below eps/100 (no bias correction in LAMB)
-                self.mask = [(s & (np.sqrt(v) >= np.float32(0.01 * self.eps))).astype(np.float32)
-                             for s, v in zip(self.seen, self.v)]
+                self.mask = [keep_mask(s, v, self.eps).astype(np.float32) for s, v in zip(self.seen, self.v)]
         m_prev = [x.copy() for x in self.m]
         for seg in self.segments:
             local = [np.concatenate([((b1 * self.m[k] + (1 - b1) * grads[r][k]) * self.scaling[k]).ravel()

@@ -15,7 +15,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
-from tests.simulation import SpecSimulation
+from tests.simulation import SpecSimulation, keep_mask
 
 OPT = "hf_onebit.optim.zeroone_adam:ZeroOneAdam"
 # eps=1e-4: parameter 1's zero-gradient rows have v = 0, so the 1-bit noise moves them by
@@ -75,7 +75,7 @@ class ZeroOneAdamSimulation:
 
     def _freeze_mask(self):
         if self.mask is None:
-            ok = [s & (np.sqrt(v) >= np.float32(0.01 * self.eps)) for s, v in zip(self.seen, self.v)]
+            ok = [keep_mask(s, v, self.eps) for s, v in zip(self.seen, self.v)]
             self.mask = [m.astype(np.float32) if self.auto_mask else np.ones_like(v) for m, v in zip(ok, self.v)]
 
     def _compressed_allreduce(self, xs):  # xs[rank][param] -> averaged [param]
