@@ -22,9 +22,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
-triton = pytest.importorskip(
-    "triton", reason="triton is not installed: the Triton kernels cannot be tested"
-)
+from tests.requirements import require  # noqa: E402
+
+require("triton", "triton is not installed: the Triton kernels cannot be tested")
+import triton  # noqa: E402
 
 from triton.runtime.interpreter import InterpretedFunction
 
