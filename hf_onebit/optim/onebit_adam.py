@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_nonneg_int
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common
+from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 
 
@@ -46,7 +47,7 @@ def adam_update_(
         p.copy_(p.float().addcdiv_(m, denom, value=-lr / bias_correction1))
 
 
-class OneBitAdam(ZeroGradientMasks, OneBitOptimizer):
+class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     """1-bit Adam for DDP (attach it with :func:`hf_onebit.attach`).
 
     Args:
@@ -57,6 +58,8 @@ class OneBitAdam(ZeroGradientMasks, OneBitOptimizer):
         weight_decay: decoupled weight decay (AdamW style).
         freeze_step: last step of the uncompressed warmup; the variance is frozen after it.
             Published guidance: 15-25% of the run (BERT-Large: 23k of ~150k; SQuAD: 400).
+            ``"auto"`` (or an :class:`~hf_onebit.optim.freeze.AutoFreeze` with bounds) lets the
+            optimizer choose it when the variance has settled (see :mod:`hf_onebit.optim.freeze`).
         bias_correction: apply Adam's bias corrections (the variance correction is frozen at
             ``freeze_step`` too). ``False`` reproduces DeepSpeed's trajectories.
         auto_mask: mask coordinates whose averaged gradient was exactly zero on every warmup step,
@@ -70,27 +73,30 @@ class OneBitAdam(ZeroGradientMasks, OneBitOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int = 100000,
+        freeze_step: int | str | AutoFreeze = 100000,
         bias_correction: bool = True,
         auto_mask: bool = True,
     ) -> None:
         check_common(lr, eps, weight_decay)
         check_betas(betas)
-        check_nonneg_int(freeze_step, "freeze_step")
+        self.init_freeze(freeze_step, "freeze_step")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
-        self.freeze_step = freeze_step
         self.auto_mask = auto_mask
+        if not bias_correction:
+            self.warn_uncorrected_variance(betas[1])
 
     # ---------------------------------------------------------------- phase machine
+    @property
+    def freeze_step(self) -> int:
+        """The last warmup step: fixed, or chosen by the automatic freeze (see :class:`FreezeSchedule`)."""
+        return self.warmup_end
+
     def plan(self) -> Plan:
         return Plan.ALLREDUCE if self.steps_done + 1 <= self.freeze_step else Plan.COMPRESS_MOMENTUM
 
     def phase(self) -> str:
         return "warmup" if self.steps_done + 1 <= self.freeze_step else "compression"
-
-    def global_state(self) -> dict:
-        return {**super().global_state(), "freeze_step": self.freeze_step}
 
     def frozen_variance_correction(self, group: dict) -> float:
         if not group["bias_correction"]:
@@ -152,5 +158,7 @@ class OneBitAdam(ZeroGradientMasks, OneBitOptimizer):
                     p, m, v, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
                     bias_correction1=bc1, bias_correction2=bc2,
                 )
+        if plan is Plan.ALLREDUCE:
+            self.observe_variance(t, t)
         self._after_step()
         return loss

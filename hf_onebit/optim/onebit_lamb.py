@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_nonneg_int
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common
+from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 
 
@@ -52,7 +53,7 @@ def _norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x)
 
 
-class OneBitLamb(ZeroGradientMasks, OneBitOptimizer):
+class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     r"""1-bit LAMB for DDP (attach it with :func:`hf_onebit.attach`); spec §4.
 
     **The maths.** LAMB is Adam with a per-tensor *trust ratio*: parameter tensor ``p`` moves by
@@ -121,7 +122,9 @@ class OneBitLamb(ZeroGradientMasks, OneBitOptimizer):
         eps: added to ``sqrt(v)`` (and to ``sqrt(v_fresh)``).
         weight_decay: ``wd``, added to the update before the trust ratio (LAMB style).
         freeze_step: last step of the uncompressed warmup. Published guidance: about 15-25% of
-            the run, for batch sizes 8K-64K.
+            the run, for batch sizes 8K-64K. ``"auto"`` (or an
+            :class:`~hf_onebit.optim.freeze.AutoFreeze` with bounds) lets the optimizer choose it
+            when the variance has settled (see :mod:`hf_onebit.optim.freeze`).
         max_coeff, min_coeff: bounds of the warmup trust ratio ``c`` (``0 < min <= max``).
         coeff_beta: averaging factor of ``c_frozen`` (in ``[0, 1)``).
         factor_max, factor_min: bounds of the compression-phase factor ``f`` (``0 < min <= max``).
@@ -140,7 +143,7 @@ class OneBitLamb(ZeroGradientMasks, OneBitOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int = 100000,
+        freeze_step: int | str | AutoFreeze = 100000,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
         coeff_beta: float = 0.9,
@@ -149,7 +152,7 @@ class OneBitLamb(ZeroGradientMasks, OneBitOptimizer):
         factor_threshold: float = 0.1,
         auto_mask: bool = True,
     ) -> None:
-        check_nonneg_int(freeze_step, "freeze_step")
+        self.init_freeze(freeze_step, "freeze_step")
         defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, Sequence) else betas, eps=eps,
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
@@ -157,7 +160,6 @@ class OneBitLamb(ZeroGradientMasks, OneBitOptimizer):
         )
         _check_lamb_group(defaults)
         super().__init__(params, defaults)
-        self.freeze_step = freeze_step
         self.auto_mask = auto_mask
 
     def add_param_group(self, param_group: dict) -> None:
@@ -169,14 +171,16 @@ class OneBitLamb(ZeroGradientMasks, OneBitOptimizer):
         super().add_param_group(param_group)
 
     # ---------------------------------------------------------------- phase machine
+    @property
+    def freeze_step(self) -> int:
+        """The last warmup step: fixed, or chosen by the automatic freeze (see :class:`FreezeSchedule`)."""
+        return self.warmup_end
+
     def plan(self) -> Plan:
         return Plan.ALLREDUCE if self.steps_done + 1 <= self.freeze_step else Plan.COMPRESS_MOMENTUM
 
     def phase(self) -> str:
         return "warmup" if self.steps_done + 1 <= self.freeze_step else "compression"
-
-    def global_state(self) -> dict:
-        return {**super().global_state(), "freeze_step": self.freeze_step}
 
     # ---------------------------------------------------------------- the hook side
     def _scaling(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -313,6 +317,8 @@ class OneBitLamb(ZeroGradientMasks, OneBitOptimizer):
                     self._compression_update(p, grad, state, group, synced)
                 else:
                     self._warmup_update(p, grad, state, group)
+        if not compress:
+            self.observe_variance(t, t)  # an automatic freeze may choose this step
         if t == self.freeze_step:
             self._freeze()
         self._after_step()

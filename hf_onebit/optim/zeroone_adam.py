@@ -28,22 +28,17 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import (
-    OneBitOptimizer,
-    Plan,
-    check_betas,
-    check_common,
-    check_nonneg_int,
-    check_positive_int,
-)
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_positive_int
+from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 
 
-class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
+class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     """0/1 Adam for DDP (attach it with :func:`hf_onebit.attach`).
 
-    No bias correction by default (as in the paper and DeepSpeed; see ``bias_correction``).
-    Hyperparameter names and defaults are DeepSpeed's.
+    The variance is bias-corrected by default (``bias_correction=False`` keeps the paper's and
+    DeepSpeed's arithmetic, which diverged in short fine-tuning runs). Hyperparameter names and
+    defaults are DeepSpeed's.
 
     Args:
         params: parameters or parameter groups.
@@ -53,6 +48,9 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
         weight_decay: decoupled weight decay (AdamW style): ``Δ = lr·(m/(sqrt(v)+eps) + wd·p)``.
         var_freeze_step: last step of the variance phase (published guidance: the end of the
             learning-rate warmup). ``0`` skips the variance phase (``v`` then stays zero).
+            ``"auto"`` (or an :class:`~hf_onebit.optim.freeze.AutoFreeze` with bounds) lets the
+            optimizer choose it when the variance has settled, judged at variance steps (see
+            :mod:`hf_onebit.optim.freeze`; its ``window`` counts variance updates).
         var_update_scaler: number of variance steps after which the interval between variance
             steps doubles (integer >= 1).
         local_step_scaler: number of local-phase steps after which the interval between syncs
@@ -62,11 +60,12 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
             of coordinates whose averaged gradient was zero on every variance step, or whose
             ``sqrt(v)`` is below ``eps/100`` (not in the spec; ``False`` follows it exactly).
         bias_correction: divide ``sqrt(v)`` by ``sqrt(1 - β2**k)``, ``k`` the number of variance
-            updates so far (frozen with ``v``). Not in the paper or DeepSpeed (``False``, the
-            default, follows them): without it ``v`` after ``k`` updates is ``1 - β2**k`` of
-            its stationary value, so early steps are up to ``1/sqrt(1 - β2**k)`` times too large
-            (3.2x after 100 updates with ``β2 = 0.999``). Recommended for short runs; the
-            momentum is not corrected (its bias only shrinks the first steps).
+            updates so far (frozen with ``v``). Default ``True``; not in the paper or DeepSpeed
+            (``False`` follows them exactly, and the spec): without it ``v`` after ``k`` updates
+            is ``1 - β2**k`` of its stationary value, so steps are up to ``1/sqrt(1 - β2**k)``
+            times too large (3.2x after 100 updates with ``β2 = 0.999``, 7.9x after the 16 a
+            short run gets: it diverged). ``False`` with such a freeze warns at construction.
+            The momentum is not corrected (its bias only shrinks the first steps).
 
     Phases and what each step communicates (``n`` ranks):
 
@@ -140,22 +139,21 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        var_freeze_step: int = 100000,
+        var_freeze_step: int | str | AutoFreeze = 100000,
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
         auto_mask: bool = True,
-        bias_correction: bool = False,
+        bias_correction: bool = True,
     ) -> None:
         check_common(lr, eps, weight_decay)
         check_betas(betas)
-        check_nonneg_int(var_freeze_step, "var_freeze_step")
+        self.init_freeze(var_freeze_step, "var_freeze_step")
         check_positive_int(var_update_scaler, "var_update_scaler")
         check_positive_int(local_step_scaler, "local_step_scaler")
         check_positive_int(local_step_clipper, "local_step_clipper")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
-        self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
@@ -167,8 +165,31 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
         self.masks_frozen = False  # set at the first step that compresses
         self.bias_correction = bool(bias_correction)
         self.var_updates = 0  # variance steps so far: the variance's bias correction is 1 - β2**var_updates
+        if not self.bias_correction:
+            self.warn_uncorrected_variance(betas[1], self.variance_updates_until(self._freeze_bound()))
+
+    def variance_updates_until(self, step: int) -> int:
+        """How many variance steps the schedule has in steps ``1..step`` (from the constructor's settings)."""
+        updates = counter = 0
+        interval, t = 1, 0
+        while True:  # the variance steps are the multiples of each interval, ``var_update_scaler`` at a time
+            nxt = (t // interval + 1) * interval
+            if nxt > step:
+                return updates
+            t, updates, counter = nxt, updates + 1, counter + 1
+            if counter == self.var_update_scaler:
+                counter, interval = 0, interval * 2
+
+    def _freeze_bound(self) -> int:
+        """The freeze step for the instability warning: the fixed one, or the earliest automatic one."""
+        return self.auto_freeze.min_step if self.auto_freeze is not None else self.warmup_end
 
     # ---------------------------------------------------------------- phase machine
+    @property
+    def var_freeze_step(self) -> int:
+        """The last variance-phase step: fixed, or chosen by the automatic freeze (see :class:`FreezeSchedule`)."""
+        return self.warmup_end
+
     def plan(self) -> Plan:
         t = self.steps_done + 1
         if t <= self.var_freeze_step:
@@ -187,8 +208,8 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
             "local_counter": self.local_counter,
             "masks_frozen": self.masks_frozen,
             "var_updates": self.var_updates,
-            # informative only: the constructor's hyperparameters win on load
-            "var_freeze_step": self.var_freeze_step,
+            # informative only: the constructor's hyperparameters win on load (var_freeze_step is
+            # saved by FreezeSchedule, and an automatically chosen one is restored)
             "var_update_scaler": self.var_update_scaler,
             "local_step_scaler": self.local_step_scaler,
             "local_step_clipper": self.local_step_clipper,
@@ -331,6 +352,7 @@ class ZeroOneAdam(ZeroGradientMasks, OneBitOptimizer):
             self.masks_frozen = True
         if t <= self.var_freeze_step:
             self._variance_phase_step(plan)
+            self.observe_variance(t, self.var_updates)  # an automatic freeze may choose this step
         else:
             self._local_phase_step(t, plan)
         self._after_step()

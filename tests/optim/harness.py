@@ -96,7 +96,7 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
             torch.save(opt.rank_state_dict(), os.path.join(save_dir, f"rank{rank}.pt"))
             dist.barrier()
     segments = sorted(opt._segments)
-    out = {"history": history, "segments": segments, "stats": opt.onebit_stats()}
+    out = {"history": history, "segments": segments, "stats": opt.onebit_stats(), "global": opt.global_state()}
     if record_steps:
         out["steps"] = per_step
     return out

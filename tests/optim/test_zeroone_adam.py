@@ -24,7 +24,8 @@ OPT = "hf_onebit.optim.zeroone_adam:ZeroOneAdam"
 # 1e-6 ~2e-3, both above the tolerance; 1e-4 keeps it far below. (ZeroOneAdam keeps the synced
 # point instead of recomputing it, see its docstring, so it does not suffer from this.)
 KWARGS = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-4, weight_decay=0.01, var_freeze_step=13,
-              var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+              var_update_scaler=2, local_step_scaler=2, local_step_clipper=4,
+              bias_correction=False)  # the spec's arithmetic (hf_onebit's default corrects the variance)
 STEPS = 32
 SAVE_AT = 22  # between the syncs of steps 20 and 24, local counter at 1
 
@@ -373,3 +374,6 @@ def test_defaults_are_deepspeeds():
     assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler, opt.local_step_clipper) == (
         100000, 16, 32678, 16)
     assert opt.phase() == "variance" and opt.plan().value == A
+    # the one default that is not DeepSpeed's: the variance is bias-corrected (issue 11: without it a
+    # short fine-tuning run diverged); bias_correction=False keeps DeepSpeed's arithmetic
+    assert opt.bias_correction is True

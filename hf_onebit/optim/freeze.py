@@ -1,0 +1,292 @@
+"""Automatic freeze: end the uncompressed warmup when the variance has settled.
+
+1-bit Adam and 1-bit LAMB freeze Adam's variance ``v`` after ``freeze_step`` steps, 0/1 Adam after
+``var_freeze_step``; from then on every coordinate's step size is ``lr / (sqrt(v̂) + eps)`` with
+that frozen ``v̂``. Freeze too early and ``v̂`` is still dominated by the first, large gradients
+of a run (the denominators are too large, training crawls) or has not seen enough gradients to be
+an estimate at all (0/1 Adam then diverges); freeze too late and the warmup's full-precision
+all-reduce eats the bandwidth the method exists to save. The published guidance ("15-25% of the
+run") came from long pre-training runs and is wrong in both directions for fine-tuning.
+
+The rule
+--------
+Write ``r_p(k) = sqrt(mean(v̂_p))`` for the RMS-gradient estimate of parameter tensor ``p`` after
+``k`` variance updates (``v̂ = v / (1 - β2^k)``, bias-corrected whatever the optimizer's own
+``bias_correction``: without it ``v`` grows like ``1 - β2^k`` and never looks settled). Every
+``window`` updates the rule compares each tensor's estimate with the one ``window`` updates ago::
+
+    drift(k) = median_p | ln r_p(k) - ln r_p(k - window) |
+
+and freezes at the first check with ``drift <= tolerance`` and ``step >= min_step``, or at
+``max_step`` whatever the drift. While ``t`` is small against ``1/(1-β2)``, ``v̂`` is close to the
+plain mean of the squared gradients seen so far, so over a window it moves by about
+``(window / k)·(ḡ²_recent / v̂ - 1) / 2`` in the log: the drift falls like ``1/k`` when the
+gradient scale is steady and stays high while it is still falling (the loss dropping quickly at
+the start of fine-tuning). So the rule waits out the initial transient and then freezes once
+``window/k`` times the remaining trend is within the tolerance: a variance estimate that the
+next ``window`` steps would change by less than ``tolerance`` (5% by default) on a typical
+tensor. The median is over tensors, unweighted: the compressor's error and the mask work per
+tensor, and a few tensors with noisy estimates (a classifier bias) must not hold the whole
+model in warmup.
+
+Every input is identical on every rank during the warmup (the variance is built from the
+averaged gradient, bitwise the same everywhere), and the arithmetic is the same, so every rank
+picks the same step with no communication. The per-tensor estimates of the last check and the
+chosen step are saved in ``state_dict()["onebit"]``: a resumed run continues the same
+comparison, and once a step is chosen it never decides again.
+
+Cost: one fused ``_foreach_norm`` over the variance tensors and one host sync every ``window``
+steps of the warmup; nothing after the freeze.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("hf_onebit")
+
+
+@dataclass
+class AutoFreeze:
+    """Choose the freeze step from the variance itself (``freeze_step=AutoFreeze(...)`` or ``"auto"``).
+
+    Args:
+        min_step: never freeze before this step (the rule needs some updates to compare).
+        max_step: always freeze at this step at the latest (``None``: no bound). The HF
+            integration and the recipes set it from the run's length.
+        window: variance updates between two checks; the drift compares estimates this many
+            updates apart.
+        tolerance: largest median relative change (in ``ln``) of the per-tensor RMS-gradient
+            estimates over one window at which the variance counts as settled.
+    """
+
+    min_step: int = 100
+    max_step: int | None = None
+    window: int = 20
+    tolerance: float = 0.05
+    # The decision and its working state (not constructor arguments: a copy starts afresh).
+    #: the chosen step, once chosen (saved in checkpoints)
+    chosen: int | None = field(default=None, init=False, compare=False)
+    #: why it was chosen: the drift at that check, or ``None`` when ``max_step`` forced it
+    chosen_drift: float | None = field(default=None, init=False, compare=False)
+    _reference: list[float] | None = field(default=None, init=False, repr=False, compare=False)
+    _reference_update: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("min_step", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AutoFreeze.{name} must be an integer >= 1, got {value!r}")
+        if self.max_step is not None:
+            if isinstance(self.max_step, bool) or not isinstance(self.max_step, int) or self.max_step < self.min_step:
+                raise ValueError(
+                    f"AutoFreeze.max_step must be an integer >= min_step ({self.min_step}) or None, got {self.max_step!r}"
+                )
+        if not (isinstance(self.tolerance, (int, float)) and self.tolerance > 0 and math.isfinite(self.tolerance)):
+            raise ValueError(f"AutoFreeze.tolerance must be a positive number, got {self.tolerance!r}")
+
+    @classmethod
+    def coerce(cls, value, name: str) -> "AutoFreeze | None":
+        """``"auto"`` -> ``AutoFreeze()``; an ``AutoFreeze`` as is; an integer -> ``None`` (fixed step)."""
+        if isinstance(value, AutoFreeze):
+            return dataclasses.replace(value)  # the optimizer's own copy: one instance may configure several
+        if isinstance(value, str):
+            if value.strip().lower() == "auto":
+                return cls()
+            raise ValueError(f"{name} must be an integer >= 0 or 'auto', got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0 or 'auto', got {value!r}")
+        return None
+
+    @classmethod
+    def for_run(cls, total_steps: int) -> "AutoFreeze":
+        """Bounds for a run of known length: freeze within [10%, 25%] of it (at least step 1).
+
+        25% at most keeps a whole run at >= 3.4x fewer bytes than an fp32 all-reduce (4x at 20%:
+        ``1 / (f + (1 - f)/32)``); 10% at least is where fine-tuning runs measured here had
+        passed their initial transient (docs/algorithms.md, "Automatic freeze").
+        """
+        total = max(1, int(total_steps))
+        lo = max(1, round(0.10 * total))
+        hi = max(lo, round(0.25 * total))
+        return cls(min_step=lo, max_step=hi, window=max(1, min(20, round(0.04 * total))))
+
+    # ---------------------------------------------------------------- the decision
+    def observe(self, step: int, updates: int, variances: list[tuple[torch.Tensor, float]]) -> bool:
+        """Called after a variance update; True when the warmup should end with this step.
+
+        ``updates`` counts the variance updates so far (``k``); ``variances`` lists each tensor's
+        ``v`` with its ``β2``. Decides once; after that always answers whether ``step`` is the
+        chosen step.
+        """
+        if self.chosen is not None:
+            return step == self.chosen
+        if self.max_step is not None and step >= self.max_step:
+            return self._choose(step, None, updates)
+        if updates < 1 or updates % self.window or updates == self._reference_update:
+            return False  # not a check, or this update count was checked already (0/1 Adam's 1-bit steps)
+        estimates = _rms_estimates(variances, updates)
+        previous, self._reference, prev_update = self._reference, estimates, self._reference_update
+        self._reference_update = updates
+        if previous is None or len(previous) != len(estimates) or updates - prev_update != self.window:
+            return False
+        drifts = [abs(math.log(a / b)) for a, b in zip(estimates, previous) if a > 0 and b > 0]
+        if not drifts:
+            return False
+        drift = _median(drifts)
+        if step >= self.min_step and drift <= self.tolerance:
+            return self._choose(step, drift, updates)
+        return False
+
+    def _choose(self, step: int, drift: float | None, updates: int) -> bool:
+        self.chosen, self.chosen_drift = step, drift
+        self._reference = None
+        return True
+
+    def describe(self) -> str:
+        """One line for the log: the chosen step and why."""
+        bounds = f"bounds [{self.min_step}, {self.max_step if self.max_step is not None else 'none'}]"
+        if self.chosen is None:
+            return f"auto freeze: not chosen yet ({bounds})"
+        if self.chosen_drift is None:
+            return f"auto freeze chose step {self.chosen}: max_step reached before the variance settled ({bounds})"
+        return (
+            f"auto freeze chose step {self.chosen}: the per-tensor RMS gradients moved by {100 * self.chosen_drift:.1f}%"
+            f" (median) over the last {self.window} variance updates, within the tolerance of"
+            f" {100 * self.tolerance:.1f}% ({bounds})"
+        )
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {
+            "min_step": self.min_step, "max_step": self.max_step, "window": self.window,
+            "tolerance": self.tolerance, "chosen": self.chosen, "chosen_drift": self.chosen_drift,
+            "reference": list(self._reference) if self._reference is not None else None,
+            "reference_update": self._reference_update,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the decision and the last check. A chosen step is kept whatever the bounds now."""
+        self.chosen = None if state.get("chosen") is None else int(state["chosen"])
+        drift = state.get("chosen_drift")
+        self.chosen_drift = None if drift is None else float(drift)
+        ref = state.get("reference")
+        self._reference = None if ref is None else [float(x) for x in ref]
+        self._reference_update = int(state.get("reference_update", 0))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _rms_estimates(variances: list[tuple[torch.Tensor, float]], updates: int) -> list[float]:
+    """``sqrt(mean(v / (1 - β2^k)))`` per tensor, with one fused norm and one host sync."""
+    tensors = [v for v, _ in variances if v.numel()]
+    betas = [b2 for v, b2 in variances if v.numel()]
+    if not tensors:
+        return []
+    sums = torch.stack(torch._foreach_norm(tensors, 1, dtype=torch.float32)).tolist()  # v >= 0: ‖v‖₁ = Σ v
+    return [
+        math.sqrt(s / v.numel() / (1 - b2**updates)) if b2 < 1 and 1 - b2**updates > 0 else math.sqrt(s / v.numel())
+        for s, v, b2 in zip(sums, tensors, betas)
+    ]
+
+
+#: What the freeze step reads as while an automatic freeze has not chosen yet: a step no run
+#: reaches, so every ``t <= freeze_step`` test keeps answering "warmup".
+UNDECIDED = 2**62
+
+#: Warn when a variance frozen without bias correction makes the first steps after the freeze
+#: more than this many times larger than Adam's (``1 / sqrt(1 - β2**k)`` after ``k`` updates).
+#: Measured on the GLUE recipe (0/1 Adam, β2 = 0.999): 4.8x (44 updates) lost 3.6 points, 7.9x
+#: (16 updates) diverged; DeepSpeed's own defaults give 2.3x (201 updates in 100k steps).
+UNCORRECTED_STEP_LIMIT = 3.0
+
+
+class FreezeSchedule:
+    """Mixin for the optimizers with a warmup: the last warmup step, fixed or chosen automatically.
+
+    The subclass calls :meth:`init_freeze` in its constructor, :meth:`observe_variance` after
+    each variance update, and reads :attr:`warmup_end` (exposed under its own name:
+    ``freeze_step`` or ``var_freeze_step``).
+    """
+
+    auto_freeze: AutoFreeze | None = None
+    _fixed_warmup_end: int = 0
+    _freeze_name: str = "freeze_step"
+
+    def init_freeze(self, value, name: str) -> None:
+        """``value``: an integer >= 0, ``"auto"`` or an :class:`AutoFreeze`; ``name`` its keyword."""
+        self.auto_freeze = AutoFreeze.coerce(value, name)
+        self._fixed_warmup_end = 0 if self.auto_freeze is not None else int(value)
+        self._freeze_name = name
+
+    @property
+    def warmup_end(self) -> int:
+        """The last warmup step: the fixed one, the chosen one, or :data:`UNDECIDED`."""
+        if self.auto_freeze is None:
+            return self._fixed_warmup_end
+        return UNDECIDED if self.auto_freeze.chosen is None else self.auto_freeze.chosen
+
+    def _variance_tensors(self) -> list[tuple[torch.Tensor, float]]:
+        return [
+            (self.state[p]["exp_avg_sq"], group["betas"][1])
+            for group in self.param_groups for p in group["params"]
+            if "exp_avg_sq" in self.state.get(p, {})
+        ]
+
+    def observe_variance(self, step: int, updates: int) -> None:
+        """After a variance update at ``step`` (``updates`` so far): let the automatic freeze decide."""
+        auto = self.auto_freeze
+        if auto is None or auto.chosen is not None:
+            return
+        if auto.observe(step, updates, self._variance_tensors()) and self.rank == 0:
+            logger.warning("hf_onebit %s: %s; %s=%d", type(self).__name__, auto.describe(), self._freeze_name, step)
+
+    def warn_uncorrected_variance(self, beta2: float, updates: int | None = None) -> None:
+        """Warn at construction when a variance frozen without bias correction is known to be unstable.
+
+        After ``k`` updates an uncorrected ``v`` is ``1 - β2**k`` of its stationary value, so
+        steps are ``1/sqrt(1 - β2**k)`` times Adam's (3.2x after 100 updates with β2 = 0.999):
+        the 0/1 Adam run that diverged in issue 11 had 16 variance updates (7.9x).
+        ``updates``: the number of variance updates before the freeze (default: the freeze step).
+        """
+        if self.auto_freeze is not None:
+            k = self.auto_freeze.min_step if updates is None else updates
+        else:
+            k = self._fixed_warmup_end if updates is None else updates
+        factor = math.inf if k <= 0 or 1 - beta2**k <= 0 else 1 / math.sqrt(1 - beta2**k)
+        if factor > UNCORRECTED_STEP_LIMIT:
+            logger.warning(
+                "hf_onebit %s: bias_correction=False with beta2=%s and the variance frozen after %d update(s):"
+                " the first steps after the freeze are %.1fx larger than Adam's, which is known to lose accuracy or diverge."
+                " Fix: bias_correction=True (or beta2 <= %.4g for this freeze).",
+                type(self).__name__, beta2, k, factor, (1 - UNCORRECTED_STEP_LIMIT**-2) ** (1 / max(k, 1)),
+            )
+
+    # ---------------------------------------------------------------- state
+    def global_state(self) -> dict:
+        state = {**super().global_state(), self._freeze_name: self.warmup_end if self.warmup_end != UNDECIDED else None}
+        if self.auto_freeze is not None:
+            state["auto_freeze"] = self.auto_freeze.state_dict()
+        return state
+
+    def load_global_state(self, state: dict) -> None:
+        super().load_global_state(state)
+        auto = self.auto_freeze
+        if auto is None:
+            return
+        if state.get("auto_freeze") is not None:
+            auto.load_state_dict(state["auto_freeze"])
+        elif state.get(self._freeze_name) is not None and self.steps_done > int(state[self._freeze_name]):
+            # A checkpoint of a fixed freeze that already froze: keep its step, decide nothing.
+            auto.chosen = int(state[self._freeze_name])
+        if auto.chosen is not None and self.rank == 0:
+            logger.info("hf_onebit %s: restored %s", type(self).__name__, auto.describe())
