@@ -293,9 +293,12 @@ class OneBitOptimizer(torch.optim.Optimizer):
         parameter order, into new segments of at most ``cap_numel`` elements.
         """
         params = self.params_in_order()
-        for k in self._pending_keys():
-            if k not in self._segments:
-                self._new_segment(k, device)
+        # Restore the saved segments that carry error state. A key saved only as a bucket layout
+        # (no state yet) is not a segment here: the uninterrupted run, which had no segment
+        # either, groups those parameters in parameter order below, and so must the resumed one.
+        saved = (self._pending_rank_state or {}).get("segments", {})
+        for k in [k for k, state in saved.items() if state is not None and k not in self._segments]:
+            self._new_segment(k, device)
         covered = set().union(*(s.key for s in self._segments.values())) if self._segments else set()
         run: list[int] = []
         size = 0
