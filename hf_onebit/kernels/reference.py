@@ -172,8 +172,9 @@ def worker_pack(
             error.copy_(y - scales[rank] * _sign(y))
         else:
             b = check_bounds(bounds, error.numel())
-            own = scales.reshape(-1, len(b) - 1)[rank]
-            error.copy_(y - _expand(own, b) * _sign(y))
+            if len(b) > 1:  # else L == 0: nothing to update
+                own = scales.reshape(-1, len(b) - 1)[rank]
+                error.copy_(y - _expand(own, b) * _sign(y))
 
 
 def server_average(bits: torch.Tensor, scales: torch.Tensor, *, bounds=None) -> torch.Tensor:

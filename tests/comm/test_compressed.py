@@ -278,3 +278,69 @@ def test_scale_per_tensor_matches_piece_simulation(world_size, kernels):
         assert outs[r]["record"]["bytes_sent"] == expected_sent
         assert outs[r]["total"]["bytes_sent"] == calls * expected_sent  # the counters agree
         assert outs[r]["saved"]["piece_sizes"] == tuple(PIECE_SIZES)
+
+
+def _piece_non_finite_and_state(rank, world_size):
+    from hf_onebit.comm import CompressedAllReduce
+
+    numel = sum(PIECE_SIZES)
+    state = CompressedAllReduce(numel, piece_sizes=PIECE_SIZES)
+    state.allreduce(make_piece_input(0, rank))  # errors now non-zero
+    before = (state.worker_error.clone(), state.server_error.clone())
+    x = make_piece_input(1, rank)
+    if rank == 1:
+        x[1020] = float("nan") if world_size == 2 else float("inf")  # inside the tiny tensor only
+    y = state.allreduce(x)
+    untouched = torch.equal(before[0], state.worker_error) and torch.equal(before[1], state.server_error)
+    z = state.allreduce(make_piece_input(2, rank))
+
+    # state_dict round trip, and a checkpoint from before the option (no piece_sizes field)
+    saved = state.state_dict()
+    fresh = CompressedAllReduce(numel, piece_sizes=PIECE_SIZES)
+    fresh.load_state_dict(saved)
+    restored = torch.equal(fresh.worker_error, state.worker_error) and torch.equal(fresh.server_error, state.server_error)
+    old = {k: v for k, v in saved.items() if k != "piece_sizes"}
+    single = CompressedAllReduce(numel)
+    single.load_state_dict(old)  # an old checkpoint loads into the default, as before
+    switched = CompressedAllReduce(numel, piece_sizes=PIECE_SIZES)
+    switched.load_state_dict(old)  # and into the option (the errors carry over, with a warning)
+    carried = torch.equal(switched.worker_error, state.worker_error)
+    return untouched, bool(torch.isfinite(y).any()), bool(torch.isfinite(z).all()), z, restored, carried
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_scale_per_tensor_non_finite_and_state(world_size):
+    outs = run_distributed(_piece_non_finite_and_state, world_size)
+    for untouched, any_finite, next_finite, z, restored, carried in outs:
+        assert untouched, "a non-finite input on one rank changed an error buffer"
+        # as with one scale: the whole result is non-finite (not only the NaN tensor's piece)
+        assert not any_finite
+        assert next_finite
+        assert torch.equal(z, outs[0][3])
+        assert restored and carried
+
+
+def test_scale_per_tensor_layout():
+    from hf_onebit.comm.compressed import piece_bounds
+
+    # boundaries 1003 -> 1000, 1016, 1016, 1219 -> 1216, 1224, ... united with the chunk cuts
+    assert piece_bounds([1003, 13, 0, 203, 5], 1224 + 24, 2) == [0, 624, 1000, 1016, 1216, 1248]
+    assert piece_bounds([5], 16, 2) == [0, 8, 16]  # one tensor: one piece per chunk
+    assert piece_bounds([0, 0, 3, 0], 8, 1) == [0, 8]  # empty tensors make no empty pieces
+    with pytest.raises(ValueError, match="sum to"):
+        from hf_onebit.comm import CompressedAllReduce
+
+        CompressedAllReduce(10, piece_sizes=[3, 4])
+
+
+def _piece_world_size_one(rank, world_size):
+    from hf_onebit.comm import CompressedAllReduce
+
+    x = torch.randn(101)
+    state = CompressedAllReduce(101, piece_sizes=[100, 1])
+    y = state.allreduce(x)
+    return y is x and torch.equal(y, x)
+
+
+def test_scale_per_tensor_world_size_one_returns_input_untouched():
+    assert run_distributed(_piece_world_size_one, 1) == [True]
