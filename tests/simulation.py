@@ -126,14 +126,18 @@ class OneBitAdamSimulation:
     """n ranks of 1-bit Adam, one compressed buffer per segment (a list of parameter indices)."""
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
-                 freeze_step=10, bias_correction=True, auto_mask=True):
+                 freeze_step=10, bias_correction=True, auto_mask=True, scale_per_tensor=False):
         self.auto_mask = auto_mask
         self.p = [np.array(x, np.float32) for x in params]
         self.m = [np.zeros_like(x) for x in self.p]
         self.v = [np.zeros_like(x) for x in self.p]
         self.seen = [np.zeros(x.shape, bool) for x in self.p]  # averaged gradient ever non-zero
         self.n, self.segments = n, segments
-        self.comm = {tuple(s): SpecSimulation(sum(self.p[i].size for i in s), n) for s in segments}
+        if scale_per_tensor:
+            self.comm = {tuple(s): PieceSpecSimulation(sum(self.p[i].size for i in s), n, [self.p[i].size for i in s])
+                         for s in segments}
+        else:
+            self.comm = {tuple(s): SpecSimulation(sum(self.p[i].size for i in s), n) for s in segments}
         self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, wd
         self.F, self.bc, self.t = freeze_step, bias_correction, 0
 
@@ -153,7 +157,8 @@ class OneBitAdamSimulation:
             for seg in self.segments:
                 local = [np.concatenate([(b1 * self.m[k] + (1 - b1) * grads[r][k]).ravel() for k in seg])
                          for r in range(self.n)]
-                avg, _ = self.comm[tuple(seg)].step(local)
+                avg = self.comm[tuple(seg)].step(local)
+                avg = avg[0] if isinstance(avg, tuple) else avg
                 off = 0
                 for k in seg:
                     size = self.p[k].size
