@@ -461,8 +461,11 @@ def _unpack_pieces(bits, lut, bounds, out):
         neg = lut[p, 0]
         pos = lut[p, 1]
         full_end = lo + (hi - lo) // 8 * 8
-        for o in range(lo, full_end, 8):
-            byte = bits[o // 8]
+        # The loop shape of _unpack (a byte counter, 8 stores per byte): measured faster than
+        # stepping the element offset by 8.
+        for b in range(lo // 8, full_end // 8):
+            byte = bits[b]
+            o = 8 * b
             for k in range(8):
                 out[o + k] = pos if (byte >> (7 - k)) & 1 else neg
         if full_end < hi:
