@@ -81,6 +81,7 @@ from numba.extending import intrinsic, overload
 from .reference import check_bounds, pack_signs, unpack_signs
 
 __all__ = [
+    "check_bounds",
     "pack_signs",
     "server_average",
     "server_pack",

@@ -77,6 +77,7 @@ import triton.language as tl
 from .reference import check_bounds, pack_signs, unpack_signs
 
 __all__ = [
+    "check_bounds",
     "DEFAULT_BLOCK",
     "pack_signs",
     "server_average",
