@@ -1,7 +1,7 @@
 """Benchmark the CPU compression kernels against a plain memory copy, on one thread.
 
     python benchmarks/kernels.py [--numel 67108864] [--world-size 2] [--repeats 7]
-                                 [--reference-numel N] [--skip-reference]
+                                 [--reference-numel N] [--skip-reference] [--pieces 100]
 
 The yardstick is ``y.copy_(x)`` into a preallocated fp32 buffer of ``numel`` elements, timed in
 the same run and interleaved with the kernels (absolute times depend on the machine's memory
@@ -11,6 +11,8 @@ Rows (medians over ``--repeats``):
   compress <dtype>    worker_scale + worker_pack of the whole buffer, x in that dtype
   decompress -> <dt>  unpack_scaled of n chunks into a numel-element buffer of that dtype
   server              server_scale + server_pack of one chunk (numel / n elements, n bit rows)
+  ... [P pieces]      the same with one scale per piece (``bounds=``): P = 1 (the whole
+                      buffer as one piece) and P = --pieces pieces of random sizes
 
 Compression must move about 2.5x the bytes of the copy (pass 1 reads x and error, pass 2 reads
 them again and writes error and bits); since the copy also pays a read-for-ownership of its
@@ -48,7 +50,49 @@ def time_interleaved(ops: dict[str, Callable[[], object]], repeats: int) -> dict
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def backend_ops(mod, numel: int, n: int, dtypes: list[torch.dtype]) -> dict[str, Callable[[], object]]:
+def random_bounds(length: int, pieces: int, seed: int = 0) -> list[int]:
+    """``pieces`` pieces of random sizes (multiples of 8) covering ``length`` elements."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = sorted(set((torch.randint(1, length // 8, (pieces - 1,), generator=gen) * 8).tolist()))
+    return [0] + cuts + [length]
+
+
+def piece_ops(mod, numel: int, n: int, pieces: int) -> dict[str, Callable[[], object]]:
+    """compress / server / decompress fp32 with one scale per piece (``bounds=``)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(numel, generator=gen)
+    y = torch.empty(numel)
+    error = torch.randn(numel, generator=gen) * 0.1
+    bits = torch.empty(numel // 8, dtype=torch.uint8)
+    bounds = [0, numel] if pieces == 1 else random_bounds(numel, pieces)
+    chunk = numel // n
+    cuts = sorted(set(bounds) | {j * chunk for j in range(n + 1)})
+    local = [b for b in cuts if b <= chunk]  # the pieces of chunk 0
+    P = len(bounds) - 1
+    scales = torch.ones(n, P)
+    rows = torch.randint(0, 256, (n, chunk // 8), dtype=torch.uint8, generator=gen)
+    server_error = torch.randn(chunk, generator=gen) * 0.1
+    server_bits = torch.empty(chunk // 8, dtype=torch.uint8)
+    server_scales = torch.ones(n, len(local) - 1)
+    out_scales = torch.ones(len(cuts) - 1)
+
+    def compress():
+        scales[0] = mod.worker_scale(x, error, bounds=bounds)
+        mod.worker_pack(x, error, scales, 0, bits, bounds=bounds)
+
+    def server():
+        t = mod.server_scale(rows, server_scales, server_error, bounds=local)
+        mod.server_pack(rows, server_scales, server_error, t, server_bits, bounds=local)
+
+    label = f"[{P} piece{'s' if P > 1 else ''}]"
+    return {
+        f"compress float32 {label}": compress,
+        f"decompress -> float32 {label}": lambda: mod.unpack_scaled(rows, out_scales, y, bounds=cuts),
+        f"server {label}": server,
+    }
+
+
+def backend_ops(mod, numel: int, n: int, dtypes: list[torch.dtype], pieces: int = 0) -> dict[str, Callable[[], object]]:
     """The timed operations for a buffer of ``numel`` elements (a multiple of 8·n)."""
     gen = torch.Generator().manual_seed(0)
     x32 = torch.randn(numel, generator=gen)
@@ -81,15 +125,18 @@ def backend_ops(mod, numel: int, n: int, dtypes: list[torch.dtype]) -> dict[str,
         out = y if dtype == torch.float32 else torch.empty(numel, dtype=dtype)
         ops[f"decompress -> {name}"] = lambda out=out: mod.unpack_scaled(rows, scales, out)
     ops[f"server (chunk {chunk:,})"] = server
+    if pieces:
+        ops.update(piece_ops(mod, numel, n, 1))
+        ops.update(piece_ops(mod, numel, n, pieces))
     return ops
 
 
 def print_table(title: str, results: dict[str, float]) -> None:
     copy_ms = next(iter(results.values()))
     print(title)
-    print(f"  {'operation':<30} {'ms':>9} {'x copy_':>8}")
+    print(f"  {'operation':<36} {'ms':>9} {'x copy_':>8}")
     for name, ms in results.items():
-        print(f"  {name:<30} {ms:>9.2f} {ms / copy_ms:>8.2f}")
+        print(f"  {name:<36} {ms:>9.2f} {ms / copy_ms:>8.2f}")
     print()
 
 
@@ -104,6 +151,7 @@ def main() -> None:
         "--reference-numel", type=int, default=None, help="buffer size for the reference (default numel/8)"
     )
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--pieces", type=int, default=100, help="pieces for the one-scale-per-piece rows (0: none)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # the kernels are single-threaded; so must the yardstick be
@@ -112,7 +160,7 @@ def main() -> None:
     numel = args.numel // align * align
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, n={n}, repeats={args.repeats}\n")
 
-    results = time_interleaved(backend_ops(cpu, numel, n, [torch.float32, torch.bfloat16]), args.repeats)
+    results = time_interleaved(backend_ops(cpu, numel, n, [torch.float32, torch.bfloat16], args.pieces), args.repeats)
     print_table(f"cpu backend, numel={numel:,}", results)
 
     if not args.skip_reference:

@@ -60,6 +60,65 @@ class SpecSimulation:
         return result[: self.numel], packed
 
 
+class PieceSpecSimulation:
+    """Spec §1 with one scale per piece ("scale per tensor" option), n workers in one process.
+
+    Pieces: the boundaries between the concatenated tensors, each rounded down to a multiple of
+    8, together with the chunk boundaries j·C; pieces of length 0 do not exist. Worker i scales
+    each piece of ``x_i + e_i`` by its own RMS; server j averages ``s_i[piece]·sign⁺`` in rank
+    order, adds its error and scales each of its pieces by the RMS of ``z`` there. A non-finite
+    worker scale anywhere makes the whole result NaN and leaves every error as it was.
+    """
+
+    def __init__(self, numel: int, n: int, tensor_sizes: list[int]) -> None:
+        assert sum(tensor_sizes) == numel
+        unit = 8 * n
+        self.n, self.numel = n, numel
+        self.L = -(-numel // unit) * unit
+        self.C = self.L // n
+        ends = np.cumsum(np.asarray(tensor_sizes, dtype=np.int64))[:-1]
+        cuts = set((ends - ends % 8).tolist()) | {j * self.C for j in range(n + 1)}
+        self.cuts = sorted(cuts)
+        # piece_of[k]: the piece of element k (0 .. P-1)
+        self.piece_of = np.searchsorted(np.asarray(self.cuts), np.arange(self.L), side="right") - 1
+        self.P = len(self.cuts) - 1
+        self.worker_error = [np.zeros(self.L, np.float32) for _ in range(n)]
+        self.server_error = [np.zeros(self.C, np.float32) for _ in range(n)]
+
+    def _piece_rms(self, y: np.ndarray, offset: int) -> np.ndarray:
+        """Per-element RMS of the piece each element of ``y`` (starting at ``offset``) is in."""
+        ids = self.piece_of[offset: offset + y.size]
+        scale = np.zeros(self.P, np.float32)
+        for p in np.unique(ids):
+            scale[p] = _rms(y[ids == p])
+        return scale
+
+    def step(self, xs: list[np.ndarray]) -> np.ndarray:
+        n, C = self.n, self.C
+        ys, piece_scales = [], []
+        for i, x in enumerate(xs):
+            y = np.zeros(self.L, np.float32)
+            y[: x.size] = x
+            y = (y + self.worker_error[i]).astype(np.float32)
+            ys.append(y)
+            piece_scales.append(self._piece_rms(y, 0))
+        if not all(np.isfinite(s).all() for s in piece_scales):
+            return np.full(self.numel, np.nan, np.float32)
+        for i in range(n):
+            self.worker_error[i] = (ys[i] - piece_scales[i][self.piece_of] * _sign(ys[i])).astype(np.float32)
+        result = np.zeros(self.L, np.float32)
+        for j in range(n):
+            part = slice(j * C, (j + 1) * C)
+            acc = np.zeros(C, np.float32)
+            for i in range(n):
+                acc = (acc + piece_scales[i][self.piece_of[part]] * _sign(ys[i][part])).astype(np.float32)
+            z = (acc / np.float32(n)).astype(np.float32) + self.server_error[j]
+            t = self._piece_rms(z, j * C)[self.piece_of[part]]
+            rebuilt = (t * _sign(z)).astype(np.float32)
+            if np.isfinite(t).all():
+                self.server_error[j] = (z - rebuilt).astype(np.float32)
+            result[part] = rebuilt
+        return result[: self.numel]
 
 
 # ---------------------------------------------------------------- 1-bit Adam (spec §2)
@@ -67,14 +126,18 @@ class OneBitAdamSimulation:
     """n ranks of 1-bit Adam, one compressed buffer per segment (a list of parameter indices)."""
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
-                 freeze_step=10, bias_correction=True, auto_mask=True):
+                 freeze_step=10, bias_correction=True, auto_mask=True, scale_per_tensor=False):
         self.auto_mask = auto_mask
         self.p = [np.array(x, np.float32) for x in params]
         self.m = [np.zeros_like(x) for x in self.p]
         self.v = [np.zeros_like(x) for x in self.p]
         self.seen = [np.zeros(x.shape, bool) for x in self.p]  # averaged gradient ever non-zero
         self.n, self.segments = n, segments
-        self.comm = {tuple(s): SpecSimulation(sum(self.p[i].size for i in s), n) for s in segments}
+        if scale_per_tensor:
+            self.comm = {tuple(s): PieceSpecSimulation(sum(self.p[i].size for i in s), n, [self.p[i].size for i in s])
+                         for s in segments}
+        else:
+            self.comm = {tuple(s): SpecSimulation(sum(self.p[i].size for i in s), n) for s in segments}
         self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, wd
         self.F, self.bc, self.t = freeze_step, bias_correction, 0
 
@@ -94,7 +157,8 @@ class OneBitAdamSimulation:
             for seg in self.segments:
                 local = [np.concatenate([(b1 * self.m[k] + (1 - b1) * grads[r][k]).ravel() for k in seg])
                          for r in range(self.n)]
-                avg, _ = self.comm[tuple(seg)].step(local)
+                avg = self.comm[tuple(seg)].step(local)
+                avg = avg[0] if isinstance(avg, tuple) else avg
                 off = 0
                 for k in seg:
                     size = self.p[k].size

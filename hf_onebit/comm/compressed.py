@@ -22,10 +22,31 @@ non-finite on every rank, so ``GradScaler`` (or the optimizer) skips the step co
 
 Every rank decodes the same gathered payload with the same kernel, so the result is bitwise
 identical on all ranks. With ``n == 1`` nothing is compressed and the input is returned as is.
+
+Scale per tensor (option, ``piece_sizes=``): a DDP bucket concatenates many parameter tensors,
+and one scale per rank (worker) and per chunk (server) rebuilds a tiny-gradient tensor at the
+magnitude of its large neighbours. Given the sizes of the concatenated tensors, the buffer is
+cut into *pieces*: the tensor boundaries rounded down to a multiple of 8 (so no packed byte
+straddles two pieces; a tensor whose size is not a multiple of 8 lends its last few elements
+to the next tensor's piece, and the last tensor also owns the zero padding), united with the
+chunk boundaries (multiples of ``C``). Every piece then lies in one chunk and (up to those few
+elements) one tensor, and gets its own scale on both sides::
+
+    round 1  all-gather   s_i[p] = RMS over piece p of (x_i + e_i)        4·P bytes per rank
+             e_i = y - s_i[piece(k)]·sign⁺(y)
+    round 2  all-to-all   as above
+             a[k] = mean_i s_i[piece(k)]·sign⁺_i[k];  z = a + ē_j
+             t[p] = RMS over piece p of z (pieces of chunk j);  ē_j = z - t[piece(k)]·sign⁺(z)
+    round 3  all-gather   [t of chunk j's pieces, padded to P_max | bits]  4·P_max + C/8 bytes
+
+Error buffers keep their shapes. If any rank's piece scale is non-finite, every rank replaces
+all gathered worker scales with NaN before use, so (as with one scale) no error buffer changes
+anywhere and the whole result is NaN on every rank.
 """
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 
 import torch
@@ -35,6 +56,16 @@ from hf_onebit.comm.executor import executor_for
 from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
 from hf_onebit.kernels import get_backend, load_backend
 
+logger = logging.getLogger(__name__)
+
+
+def _describe(sizes) -> str:
+    if sizes is None:
+        return "one scale per chunk (piece_sizes=None)"
+    more = "..." if len(sizes) > 8 else ""
+    return f"one scale per tensor (piece_sizes={list(sizes)[:8]}{more})"
+
+
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -43,6 +74,24 @@ def padded_length(numel: int, world_size: int) -> int:
     """Smallest multiple of ``8 * world_size`` that holds ``numel`` elements."""
     unit = 8 * world_size
     return -(-numel // unit) * unit
+
+
+def piece_bounds(piece_sizes, padded_numel: int, world_size: int) -> list[int]:
+    """Piece boundaries (element offsets, ``0 .. padded_numel``) for tensors of ``piece_sizes``.
+
+    The tensor boundaries rounded down to a multiple of 8, united with the ``world_size``
+    chunk boundaries; empty pieces are dropped. See the module docstring.
+    """
+    sizes = [int(v) for v in piece_sizes]
+    if any(v < 0 for v in sizes):
+        raise ValueError("piece_sizes must be non-negative")
+    chunk = padded_numel // world_size
+    cuts = {j * chunk for j in range(world_size + 1)}
+    offset = 0
+    for size in sizes[:-1]:
+        offset += size
+        cuts.add(min(offset // 8 * 8, padded_numel))
+    return sorted(cuts)
 
 
 class CompressedAllReduce:
@@ -66,6 +115,10 @@ class CompressedAllReduce:
             the hook already compressed some buckets; deferring keeps every error buffer
             bitwise untouched by a skipped step, at the cost of one extra copy of each buffer
             per call and twice the error memory.
+        piece_sizes: sizes of the tensors concatenated in the buffer (summing to ``numel``):
+            one scale per tensor piece instead of one per rank and chunk (see the module
+            docstring; a tensor whose size is not a multiple of 8 lends up to 7 elements to its
+            neighbour's scale). Default ``None``: the spec's single scale, bit for bit.
     """
 
     def __init__(
@@ -76,6 +129,7 @@ class CompressedAllReduce:
         kernels: str | ModuleType | None = None,
         stats: CommStats | None = None,
         deferred_commit: bool = False,
+        piece_sizes=None,
     ) -> None:
         self.numel = int(numel)
         self.deferred_commit = deferred_commit
@@ -108,9 +162,39 @@ class CompressedAllReduce:
         else:
             self.worker_error = torch.zeros(0, **f32)
             self.server_error = torch.zeros(0, **f32)
+        self.piece_sizes = None if piece_sizes is None else tuple(int(v) for v in piece_sizes)
+        if self.piece_sizes is not None and sum(self.piece_sizes) != self.numel:
+            raise ValueError(f"piece_sizes sum to {sum(self.piece_sizes)}, the buffer has {self.numel} elements")
+        self._bounds: list[int] | None = None
+        if self.piece_sizes is not None and n > 1 and self.padded_numel > 0:
+            self._setup_pieces(piece_bounds(self.piece_sizes, self.padded_numel, n))
         if deferred_commit:
             self._next_worker_error = torch.zeros_like(self.worker_error)
             self._next_server_error = torch.zeros_like(self.server_error)
+
+    def _setup_pieces(self, bounds: list[int]) -> None:
+        """Static piece layout and the work buffers its scales need."""
+        n, C = self.world_size, self.chunk
+        f32 = dict(dtype=torch.float32, device=self.device)
+        u8 = dict(dtype=torch.uint8, device=self.device)
+        self._bounds = bounds
+        self.num_pieces = P = len(bounds) - 1
+        # Pieces [first[j], first[j + 1]) lie in chunk j (chunk boundaries are bounds).
+        first = [bounds.index(j * C) for j in range(n)] + [P]
+        self._chunk_pieces = [(first[j], first[j + 1]) for j in range(n)]
+        self.max_chunk_pieces = max(hi - lo for lo, hi in self._chunk_pieces)
+        lo, hi = self._chunk_pieces[self.rank]
+        self._local_bounds = [b - self.rank * C for b in bounds[lo : hi + 1]]
+        # Where piece p's server scale sits in the gathered (n, P_max) scales.
+        self._gather_index = torch.tensor(
+            [j * self.max_chunk_pieces + q for j, (a, b) in enumerate(self._chunk_pieces) for q in range(b - a)],
+            dtype=torch.int64, device=self.device,
+        )
+        self._scales = torch.empty(n * P, **f32)
+        head = 4 * self.max_chunk_pieces
+        self._payload = torch.zeros(head + C // 8, **u8)
+        self._gathered = torch.empty(n * (head + C // 8), **u8)
+        self._gathered_scales = torch.empty(n, head, **u8)
 
     # ------------------------------------------------------------------ the algorithm
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,6 +220,11 @@ class CompressedAllReduce:
             server_error = self._next_server_error.copy_(self.server_error)
             self._uncommitted = True
 
+        if self._bounds is not None:
+            self._call_pieces(x, out, worker_error, server_error)
+            self.stats.record(self.bytes_per_call())
+            return out
+
         # Round 1: worker scales. Every rank learns every rank's scale (and its finiteness).
         own = k.worker_scale(x, worker_error).reshape(1)
         _all_gather(self._scales, own, group=group)
@@ -158,14 +247,48 @@ class CompressedAllReduce:
         self.stats.record(self.bytes_per_call())
         return out
 
+    def _call_pieces(self, x, out, worker_error, server_error) -> None:
+        """The three rounds with one scale per piece (see the module docstring)."""
+        k, n, group, P = self.kernels, self.world_size, self.group, self.num_pieces
+        bounds, local = self._bounds, self._local_bounds
+
+        # Round 1: every rank's P piece scales.
+        own = k.worker_scale(x, worker_error, bounds=bounds)
+        _all_gather(self._scales, own, group=group)
+        scales = self._scales.view(n, P)
+        # One non-finite scale anywhere poisons them all (a device op, no host sync), so no
+        # error buffer changes on any rank and the whole result is non-finite everywhere.
+        scales = torch.where(torch.isfinite(scales).all(), scales, torch.full_like(scales, float("nan")))
+        k.worker_pack(x, worker_error, scales, self.rank, self._send_bits, bounds=bounds)
+
+        # Round 2: signs to their servers; this rank serves the pieces of its chunk.
+        dist.all_to_all_single(self._recv_bits, self._send_bits, group=group)
+        recv = self._recv_bits.view(n, self.chunk // 8)
+        lo, hi = self._chunk_pieces[self.rank]
+        chunk_scales = scales[:, lo:hi].contiguous()
+        t = k.server_scale(recv, chunk_scales, server_error, bounds=local)
+        head = 4 * self.max_chunk_pieces
+        self._payload[: 4 * (hi - lo)].view(torch.float32).copy_(t)
+        k.server_pack(recv, chunk_scales, server_error, t, self._payload[head:], bounds=local)
+
+        # Round 3: every server's piece scales and signs go to every rank.
+        _all_gather(self._gathered, self._payload, group=group)
+        rows = self._gathered.view(n, head + self.chunk // 8)
+        self._gathered_scales.copy_(rows[:, :head])
+        self._gathered_bits.copy_(rows[:, head:])
+        server_scales = self._gathered_scales.view(torch.float32).reshape(-1)[self._gather_index]
+        k.unpack_scaled(self._gathered_bits, server_scales, out.view(-1), bounds=bounds)
+
     def bytes_per_call(self) -> CommRecord:
         """What one call sends and receives on this rank (see :mod:`hf_onebit.comm.stats`)."""
         n = self.world_size
         if n == 1:
             return CommRecord(calls=1)
-        scales = (n - 1) * 4
+        worker_scales = self.num_pieces if self._bounds is not None else 1
+        server_scales = self.max_chunk_pieces if self._bounds is not None else 1
+        scales = (n - 1) * 4 * worker_scales
         signs = (n - 1) * (self.chunk // 8)
-        payload = (n - 1) * (4 + self.chunk // 8)
+        payload = (n - 1) * (4 * server_scales + self.chunk // 8)
         moved = scales + signs + payload
         return CommRecord(
             bytes_sent=moved,
@@ -187,19 +310,37 @@ class CompressedAllReduce:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """This rank's error buffers (they differ on every rank: save them per rank)."""
-        return {
+        state = {
             "numel": self.numel,
             "world_size": self.world_size,
             "worker_error": self.worker_error.detach().clone(),
             "server_error": self.server_error.detach().clone(),
         }
+        if self.piece_sizes is not None:  # absent = one scale (also what old checkpoints hold)
+            state["piece_sizes"] = self.piece_sizes
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output saved by the same rank with the same world size."""
+        """Restore :meth:`state_dict` output saved by the same rank with the same world size.
+
+        The saved scale layout (``piece_sizes``; absent, as in checkpoints from before the
+        option, for one scale) may differ from this one: a warning is logged and the errors
+        carry over (they are residuals in the buffer's coordinates, valid under any layout).
+        """
         if state["numel"] != self.numel or state["world_size"] != self.world_size:
             raise ValueError(
                 "compression state was saved for a buffer of {} elements on {} ranks, this one has"
                 " {} elements on {} ranks".format(state["numel"], state["world_size"], self.numel, self.world_size)
+            )
+        saved = state.get("piece_sizes")
+        saved = None if saved is None else tuple(int(v) for v in saved)
+        if saved != self.piece_sizes:
+            # Not refused: an error buffer is the part of the signal not yet transmitted, in the
+            # buffer's own coordinates, whatever compressor produced it, so feeding it to
+            # another scale layout is sound (a run may switch scale_per_tensor on at a resume).
+            logger.warning(
+                "hf_onebit: compression state saved with %s is loaded into a buffer using %s; the"
+                " error buffers carry over", _describe(saved), _describe(self.piece_sizes),
             )
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])

@@ -61,6 +61,11 @@ Threads. The kernels are single-threaded on purpose (the other cores run backwar
 the GIL (``nogil=True``) so a communication thread can compress while Python keeps going.
 All kernels are compiled lazily with ``cache=True``: the first call per input dtype costs a
 compile of about a second, later processes load the machine code from ``__pycache__``.
+
+Pieces (``bounds=``, see the reference). The piece variants loop over the pieces inside numba
+and run the single-scale kernels above on each piece's slices (piece bounds are multiples of 8,
+so each slice owns whole bytes of the packed bits). A piece costs one call (a few hundred ns),
+so hundreds of pieces in a multi-MB buffer cost nothing measurable.
 """
 
 from __future__ import annotations
@@ -73,9 +78,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from .reference import pack_signs, unpack_signs
+from .reference import check_bounds, pack_signs, unpack_signs
 
 __all__ = [
+    "check_bounds",
     "pack_signs",
     "server_average",
     "server_pack",
@@ -392,6 +398,84 @@ def _unpack(bits, lut, out):
 
 
 # --------------------------------------------------------------------------------------------
+# Pieces: the kernels above, once per piece on that piece's slices
+# --------------------------------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def _worker_sumsq_pieces(x, error, bounds, out):
+    n = x.size
+    for p in range(bounds.size - 1):
+        lo = bounds[p]
+        hi = bounds[p + 1]
+        out[p] = _worker_sumsq(x[min(lo, n) : min(hi, n)], error[lo:hi])
+
+
+@njit(**_JIT)
+def _worker_pack_pieces(x, error, bits_out, own, bounds, update):
+    n = x.size
+    for p in range(bounds.size - 1):
+        lo = bounds[p]
+        hi = bounds[p + 1]
+        if hi > lo:
+            _worker_pack(x[min(lo, n) : min(hi, n)], error[lo:hi], bits_out[lo // 8 : hi // 8], own[p], update)
+
+
+@njit(**_JIT)
+def _server_average_pieces(bits, scales_t, bounds, out):
+    for p in range(bounds.size - 1):
+        lo = bounds[p]
+        hi = bounds[p + 1]
+        if hi > lo:
+            _server_average(bits[:, lo // 8 : hi // 8], scales_t[p], out[lo:hi])
+
+
+@njit(**_JIT)
+def _server_sumsq_pieces(bits, scales_t, server_error, bounds, out):
+    for p in range(bounds.size - 1):
+        lo = bounds[p]
+        hi = bounds[p + 1]
+        out[p] = _server_sumsq(bits[:, lo // 8 : hi // 8], scales_t[p], server_error[lo:hi]) if hi > lo else 0.0
+
+
+@njit(**_JIT)
+def _server_pack_pieces(bits, scales_t, server_error, t, update, bits_out, bounds):
+    for p in range(bounds.size - 1):
+        lo = bounds[p]
+        hi = bounds[p + 1]
+        if hi > lo:
+            _server_pack(
+                bits[:, lo // 8 : hi // 8], scales_t[p], server_error[lo:hi], t[p], update,
+                bits_out[lo // 8 : hi // 8],
+            )
+
+
+@njit(**_JIT)
+def _unpack_pieces(bits, lut, bounds, out):
+    """``out[k] = lut[piece(k), bit k]`` for ``k < out.size``; ``bits`` flat (raw bit patterns)."""
+    total = out.size
+    for p in range(bounds.size - 1):
+        lo = bounds[p]
+        if lo >= total:
+            break
+        hi = min(bounds[p + 1], total)
+        neg = lut[p, 0]
+        pos = lut[p, 1]
+        full_end = lo + (hi - lo) // 8 * 8
+        # The loop shape of _unpack (a byte counter, 8 stores per byte): measured faster than
+        # stepping the element offset by 8.
+        for b in range(lo // 8, full_end // 8):
+            byte = bits[b]
+            o = 8 * b
+            for k in range(8):
+                out[o + k] = pos if (byte >> (7 - k)) & 1 else neg
+        if full_end < hi:
+            byte = bits[full_end // 8]
+            for k in range(hi - full_end):
+                out[full_end + k] = pos if (byte >> (7 - k)) & 1 else neg
+
+
+# --------------------------------------------------------------------------------------------
 # Tensor plumbing
 # --------------------------------------------------------------------------------------------
 
@@ -451,6 +535,26 @@ def _rms(sumsq: float, count: int) -> torch.Tensor:
     return torch.tensor(np.sqrt(sumsq / count), dtype=torch.float64).to(torch.float32)
 
 
+def _bounds_array(bounds, length: int) -> np.ndarray:
+    return np.asarray(check_bounds(bounds, length), dtype=np.int64)
+
+
+def _piece_scales(scales: torch.Tensor, rows: int, pieces: int) -> np.ndarray:
+    """``(rows, P)`` scales, transposed to ``(P, rows)`` fp32 so each piece's row is contiguous."""
+    _check_cpu("scales", scales)
+    if scales.numel() != rows * pieces:
+        raise ValueError(f"expected {rows} x {pieces} scales, got {tuple(scales.shape)}")
+    return scales.detach().reshape(rows, pieces).to(torch.float32).t().contiguous().numpy()
+
+
+def _rms_pieces(sumsq: np.ndarray, bounds: np.ndarray) -> torch.Tensor:
+    # The same final steps as _rms, elementwise: float64 mean, sqrt, one rounding to fp32.
+    counts = np.diff(bounds).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rms = np.where(counts > 0, np.sqrt(sumsq / np.maximum(counts, 1.0)), 0.0)
+    return torch.from_numpy(rms).to(torch.float32)
+
+
 def _check_lengths(x_numel: int, error: torch.Tensor, bits_out: torch.Tensor | None) -> None:
     length = error.numel()
     if length % 8:
@@ -466,11 +570,19 @@ def _check_lengths(x_numel: int, error: torch.Tensor, bits_out: torch.Tensor | N
 # --------------------------------------------------------------------------------------------
 
 
-def worker_scale(x: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-    """``RMS(x_padded + error)`` as a 0-dim fp32 tensor (0 for an empty buffer)."""
+def worker_scale(x: torch.Tensor, error: torch.Tensor, *, bounds=None) -> torch.Tensor:
+    """``RMS(x_padded + error)`` as a 0-dim fp32 tensor (0 for an empty buffer).
+
+    With ``bounds``: the ``(P,)`` RMS of each piece.
+    """
     e = _inplace_view("error", error, torch.float32)
     _check_lengths(x.numel(), error, None)
-    return _rms(_worker_sumsq(_input_view(x), e), e.size)
+    if bounds is None:
+        return _rms(_worker_sumsq(_input_view(x), e), e.size)
+    b = _bounds_array(bounds, e.size)
+    sumsq = np.empty(b.size - 1, np.float64)
+    _worker_sumsq_pieces(_input_view(x), e, b, sumsq)
+    return _rms_pieces(sumsq, b)
 
 
 def worker_pack(
@@ -479,35 +591,66 @@ def worker_pack(
     scales: torch.Tensor,
     rank: int,
     bits_out: torch.Tensor,
+    *,
+    bounds=None,
 ) -> None:
     """Write ``sign⁺(x + error)`` into ``bits_out``; update ``error`` in place.
 
     ``scales`` holds every rank's :func:`worker_scale`; this rank's is ``scales[rank]``. The
-    error becomes ``y - s·sign⁺(y)`` only when all scales are finite.
+    error becomes ``y - s·sign⁺(y)`` only when all scales are finite. With ``bounds``,
+    ``scales`` is ``(n, P)`` and piece ``p`` uses ``scales[rank, p]``.
     """
     e = _inplace_view("error", error, torch.float32)
     b = _inplace_view("bits_out", bits_out, torch.uint8)
     _check_lengths(x.numel(), error, bits_out)
-    s = _scales_f32(scales, scales.numel())
     update = bool(torch.isfinite(scales).all())  # on the given dtype, as the reference does
-    _worker_pack(_input_view(x), e, b, s[rank], update)
+    if bounds is None:
+        s = _scales_f32(scales, scales.numel())
+        _worker_pack(_input_view(x), e, b, s[rank], update)
+        return
+    bnd = _bounds_array(bounds, e.size)
+    pieces = bnd.size - 1
+    _check_cpu("scales", scales)
+    if pieces == 0:  # L == 0: nothing to pack
+        return
+    if scales.numel() % pieces or not 0 <= rank < scales.numel() // pieces:
+        raise ValueError(f"scales {tuple(scales.shape)} do not hold rank {rank}'s {pieces} piece scales")
+    own = scales.detach().reshape(-1, pieces)[rank].to(torch.float32).contiguous().numpy()
+    _worker_pack_pieces(_input_view(x), e, b, own, bnd, update)
 
 
-def server_average(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``mean_i scales[i] · sign⁺(bits[i])`` with the exact summation order of the spec."""
+def server_average(bits: torch.Tensor, scales: torch.Tensor, *, bounds=None) -> torch.Tensor:
+    """``mean_i scales[i] · sign⁺(bits[i])`` with the exact summation order of the spec.
+
+    With ``bounds`` (over the chunk), ``scales`` is ``(n, P)``.
+    """
     bn = _bits_view(bits)
     out = torch.empty(8 * bn.shape[1], dtype=torch.float32)
-    _server_average(bn, _scales_f32(scales, bn.shape[0]), out.numpy())
+    if bounds is None:
+        _server_average(bn, _scales_f32(scales, bn.shape[0]), out.numpy())
+    else:
+        bnd = _bounds_array(bounds, out.numel())
+        _server_average_pieces(bn, _piece_scales(scales, bn.shape[0], bnd.size - 1), bnd, out.numpy())
     return out
 
 
-def server_scale(bits: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor) -> torch.Tensor:
-    """``RMS(server_average(bits, scales) + server_error)`` as a 0-dim fp32 tensor."""
+def server_scale(
+    bits: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor, *, bounds=None
+) -> torch.Tensor:
+    """``RMS(server_average(bits, scales) + server_error)`` as a 0-dim fp32 tensor.
+
+    With ``bounds``: the ``(P,)`` RMS of each piece of ``z``.
+    """
     bn = _bits_view(bits)
     e = _inplace_view("server_error", server_error, torch.float32)
     if e.size != 8 * bn.shape[1]:
         raise ValueError(f"server_error has {e.size} elements, bits rows hold {8 * bn.shape[1]}")
-    return _rms(_server_sumsq(bn, _scales_f32(scales, bn.shape[0]), e), e.size)
+    if bounds is None:
+        return _rms(_server_sumsq(bn, _scales_f32(scales, bn.shape[0]), e), e.size)
+    bnd = _bounds_array(bounds, e.size)
+    sumsq = np.empty(bnd.size - 1, np.float64)
+    _server_sumsq_pieces(bn, _piece_scales(scales, bn.shape[0], bnd.size - 1), e, bnd, sumsq)
+    return _rms_pieces(sumsq, bnd)
 
 
 def server_pack(
@@ -516,8 +659,16 @@ def server_pack(
     server_error: torch.Tensor,
     scale: torch.Tensor,
     bits_out: torch.Tensor,
+    *,
+    bounds=None,
 ) -> None:
-    """Write ``sign⁺(z)``, ``z = average + ē``; ``ē = z - t·sign⁺(z)`` only if ``t`` is finite."""
+    """Write ``sign⁺(z)``, ``z = average + ē``; ``ē = z - t·sign⁺(z)`` only if ``t`` is finite.
+
+    With ``bounds``, ``scale`` holds the ``(P,)`` piece scales (all must be finite).
+    """
+    if bounds is not None:
+        _server_pack_with_pieces(bits, scales, server_error, scale, bits_out, bounds)
+        return
     bn = _bits_view(bits)
     e = _inplace_view("server_error", server_error, torch.float32)
     b = _inplace_view("bits_out", bits_out, torch.uint8)
@@ -533,16 +684,34 @@ def server_pack(
     _server_pack(bn, _scales_f32(scales, bn.shape[0]), e, t, update, b)
 
 
-def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+def _server_pack_with_pieces(bits, scales, server_error, scale, bits_out, bounds) -> None:
+    bn = _bits_view(bits)
+    e = _inplace_view("server_error", server_error, torch.float32)
+    b = _inplace_view("bits_out", bits_out, torch.uint8)
+    if e.size != 8 * bn.shape[1] or b.size != bn.shape[1]:
+        raise ValueError(
+            f"server_error ({e.size}) and bits_out ({b.size}) must match bits rows ({bn.shape[1]} bytes)"
+        )
+    bnd = _bounds_array(bounds, e.size)
+    scale = torch.as_tensor(scale).detach()
+    if scale.numel() != bnd.size - 1:
+        raise ValueError(f"scale must hold {bnd.size - 1} piece scales, got {scale.numel()}")
+    update = bool(torch.isfinite(scale).all())
+    t = scale.reshape(-1).to(torch.float32).contiguous().numpy()
+    _server_pack_pieces(bn, _piece_scales(scales, bn.shape[0], bnd.size - 1), e, t, update, b, bnd)
+
+
+def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, bounds=None) -> None:
     """``out[k] = scales[k // C] · sign⁺_k`` for ``k < out.numel()``, cast to ``out.dtype``.
 
-    ``bits`` has shape ``(n, C // 8)``: row ``j`` is chunk ``j`` of the result.
+    ``bits`` has shape ``(n, C // 8)``: row ``j`` is chunk ``j`` of the result. With ``bounds``
+    (over all ``n·C`` elements), ``out[k] = scales[piece(k)] · sign⁺_k``.
     """
     bn = _bits_view(bits)
     _check_cpu("out", out)
     if not out.is_contiguous():  # rare: decompress into contiguous memory, then copy over
         tmp = torch.empty(out.shape, dtype=out.dtype)
-        unpack_scaled(bits, scales, tmp)
+        unpack_scaled(bits, scales, tmp, bounds=bounds)
         out.copy_(tmp)
         return
     if out.numel() > 8 * bn.size:
@@ -552,6 +721,12 @@ def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -
         raise TypeError(f"unpack_scaled cannot write {out.dtype}")
     # Only two values per chunk exist: -t_j and +t_j, computed in fp32 as the reference does,
     # then converted by torch itself, so every out dtype rounds exactly like `copy_`.
-    sc = torch.from_numpy(_scales_f32(scales, bn.shape[0]))
+    if bounds is None:
+        sc = torch.from_numpy(_scales_f32(scales, bn.shape[0]))
+        lut = torch.stack((sc * -1.0, sc * 1.0), dim=1).to(out.dtype).view(raw)
+        _unpack(bn, lut.numpy(), out.detach().reshape(-1).view(raw).numpy())
+        return
+    bnd = _bounds_array(bounds, 8 * bn.size)
+    sc = torch.from_numpy(_scales_f32(scales, bnd.size - 1))
     lut = torch.stack((sc * -1.0, sc * 1.0), dim=1).to(out.dtype).view(raw)
-    _unpack(bn, lut.numpy(), out.detach().reshape(-1).view(raw).numpy())
+    _unpack_pieces(bn.reshape(-1), lut.numpy(), bnd, out.detach().reshape(-1).view(raw).numpy())

@@ -30,6 +30,27 @@ The server average is defined exactly, so every backend produces identical bits:
 ``acc = 0; for i in 0..n-1: acc += s_i · sign⁺_i`` (fp32, in rank order), then ``a = acc / n``.
 Scales are sums of squares accumulated in float64 here; fast backends may accumulate in
 another order, so scales agree to rounding, not bitwise (bits of a single call agree bitwise).
+
+Pieces (one scale per piece instead of one per buffer or chunk)
+---------------------------------------------------------------
+Every function takes an optional keyword ``bounds``: ``P + 1`` non-decreasing element offsets
+``0 = b_0 <= b_1 <= ... <= b_P = length``, each a multiple of 8 (so no packed byte straddles two
+pieces), given on the host (a sequence of ints or a CPU integer tensor: the layout is static
+metadata, never a device value). Piece ``p`` is ``[b_p, b_{p+1})``; an empty piece has scale 0
+(the RMS of nothing). ``length`` is ``L`` for the worker operations, ``C`` (one chunk) for the
+server operations and ``n·C`` (all chunks) for :func:`unpack_scaled`. With ``bounds``:
+
+* :func:`worker_scale` returns the ``(P,)`` per-piece RMS of ``x + error``;
+* :func:`worker_pack` takes every rank's scales as ``(n, P)``; ``error = y - s[rank, piece(k)]·sign⁺``,
+  written only if all ``n·P`` scales are finite;
+* :func:`server_average` / :func:`server_scale` / :func:`server_pack` take the worker scales of
+  the chunk's pieces as ``(n, P)``: ``a[k] = (Σ_i s[i, piece(k)]·sign⁺_i[k]) / n`` in rank
+  order; :func:`server_scale` returns ``(P,)``, :func:`server_pack` takes that ``(P,)`` and
+  writes ``ē`` only if all ``P`` are finite;
+* :func:`unpack_scaled` takes ``(P,)`` scales over all chunks: ``out[k] = s[piece(k)]·sign⁺_k``.
+
+Without ``bounds`` everything is exactly the single-scale arithmetic above (bitwise); the
+per-chunk scales of :func:`unpack_scaled` are the pieces ``[j·C, (j+1)·C)``.
 """
 
 from __future__ import annotations
@@ -45,6 +66,7 @@ __all__ = [
     "server_scale",
     "server_pack",
     "unpack_scaled",
+    "check_bounds",
 ]
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
@@ -85,9 +107,47 @@ def _sign(y: torch.Tensor) -> torch.Tensor:
     return torch.where(y >= 0, 1.0, -1.0).to(torch.float32)
 
 
-def worker_scale(x: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-    """``RMS(x_padded + error)`` as a 0-dim fp32 tensor (0 for an empty buffer)."""
-    return _rms(_padded(x, error.numel()) + error)
+def check_bounds(bounds, length: int) -> list[int]:
+    """Validate piece ``bounds`` (host ints) for a buffer of ``length`` elements; return a list."""
+    if isinstance(bounds, torch.Tensor):
+        if bounds.device.type != "cpu":
+            raise ValueError("bounds are host metadata: pass a CPU tensor or a sequence of ints")
+        bounds = bounds.tolist()
+    b = [int(v) for v in bounds]
+    if not b or b[0] != 0 or b[-1] != length:
+        raise ValueError(f"bounds must run from 0 to {length}, got {b[:3]}...{b[-3:]}")
+    if any(hi < lo for lo, hi in zip(b[:-1], b[1:])):
+        raise ValueError("bounds must be non-decreasing")
+    if any(v % 8 for v in b):
+        raise ValueError("every bound must be a multiple of 8 (no packed byte may straddle two pieces)")
+    return b
+
+
+def _lengths(b: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([hi - lo for lo, hi in zip(b[:-1], b[1:])], dtype=torch.int64, device=device)
+
+
+def _expand(scales: torch.Tensor, b: list[int]) -> torch.Tensor:
+    """Per-element scales: ``scales[..., p]`` repeated over piece ``p``'s elements."""
+    return torch.repeat_interleave(scales.to(torch.float32), _lengths(b, scales.device), dim=-1)
+
+
+def _piece_rms(y: torch.Tensor, b: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(b) - 1, dtype=torch.float32, device=y.device)
+    for p, (lo, hi) in enumerate(zip(b[:-1], b[1:])):
+        out[p] = _rms(y[lo:hi])
+    return out
+
+
+def worker_scale(x: torch.Tensor, error: torch.Tensor, *, bounds=None) -> torch.Tensor:
+    """``RMS(x_padded + error)`` as a 0-dim fp32 tensor (0 for an empty buffer).
+
+    With ``bounds``: the ``(P,)`` RMS of each piece.
+    """
+    y = _padded(x, error.numel()) + error
+    if bounds is None:
+        return _rms(y)
+    return _piece_rms(y, check_bounds(bounds, error.numel()))
 
 
 def worker_pack(
@@ -96,30 +156,54 @@ def worker_pack(
     scales: torch.Tensor,
     rank: int,
     bits_out: torch.Tensor,
+    *,
+    bounds=None,
 ) -> None:
     """Write ``sign⁺(x + error)`` into ``bits_out``; update ``error`` in place.
 
     ``scales`` holds every rank's :func:`worker_scale` (already exchanged); this rank's is
     ``scales[rank]``. The error becomes ``y - s·sign⁺(y)`` only when all scales are finite.
+    With ``bounds``, ``scales`` is ``(n, P)`` and piece ``p`` uses ``scales[rank, p]``.
     """
     y = _padded(x, error.numel()) + error
     bits_out.copy_(pack_signs(y))
     if bool(torch.isfinite(scales).all()):
-        error.copy_(y - scales[rank] * _sign(y))
+        if bounds is None:
+            error.copy_(y - scales[rank] * _sign(y))
+        else:
+            b = check_bounds(bounds, error.numel())
+            if len(b) > 1:  # else L == 0: nothing to update
+                own = scales.reshape(-1, len(b) - 1)[rank]
+                error.copy_(y - _expand(own, b) * _sign(y))
 
 
-def server_average(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``mean_i scales[i] · sign⁺(bits[i])`` with the exact summation order of the spec."""
+def server_average(bits: torch.Tensor, scales: torch.Tensor, *, bounds=None) -> torch.Tensor:
+    """``mean_i scales[i] · sign⁺(bits[i])`` with the exact summation order of the spec.
+
+    With ``bounds`` (over the chunk), ``scales`` is ``(n, P)``: element ``k`` of row ``i`` is
+    weighted by ``scales[i, piece(k)]``.
+    """
     signs = unpack_signs(bits)
+    if bounds is not None:
+        b = check_bounds(bounds, signs.shape[1])
+        scales = _expand(scales.reshape(bits.shape[0], len(b) - 1), b)
     acc = torch.zeros(signs.shape[1], dtype=torch.float32, device=bits.device)
     for i in range(bits.shape[0]):
         acc += scales[i] * signs[i]
     return acc / bits.shape[0]
 
 
-def server_scale(bits: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor) -> torch.Tensor:
-    """``RMS(server_average(bits, scales) + server_error)`` as a 0-dim fp32 tensor."""
-    return _rms(server_average(bits, scales) + server_error)
+def server_scale(
+    bits: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor, *, bounds=None
+) -> torch.Tensor:
+    """``RMS(server_average(bits, scales) + server_error)`` as a 0-dim fp32 tensor.
+
+    With ``bounds``: the ``(P,)`` RMS of each piece of ``z``.
+    """
+    z = server_average(bits, scales, bounds=bounds) + server_error
+    if bounds is None:
+        return _rms(z)
+    return _piece_rms(z, check_bounds(bounds, server_error.numel()))
 
 
 def server_pack(
@@ -128,18 +212,34 @@ def server_pack(
     server_error: torch.Tensor,
     scale: torch.Tensor,
     bits_out: torch.Tensor,
+    *,
+    bounds=None,
 ) -> None:
-    """Write ``sign⁺(z)``, ``z = average + ē``; ``ē = z - t·sign⁺(z)`` only if ``t`` is finite."""
-    z = server_average(bits, scales) + server_error
+    """Write ``sign⁺(z)``, ``z = average + ē``; ``ē = z - t·sign⁺(z)`` only if ``t`` is finite.
+
+    With ``bounds``, ``scale`` is the ``(P,)`` output of :func:`server_scale` and ``ē`` is
+    written only if all of them are finite.
+    """
+    z = server_average(bits, scales, bounds=bounds) + server_error
     bits_out.copy_(pack_signs(z))
-    if bool(torch.isfinite(scale)):
-        server_error.copy_(z - scale * _sign(z))
+    if bool(torch.isfinite(scale).all()):
+        if bounds is None:
+            server_error.copy_(z - scale * _sign(z))
+        else:
+            b = check_bounds(bounds, server_error.numel())
+            server_error.copy_(z - _expand(scale.reshape(-1), b) * _sign(z))
 
 
-def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, bounds=None) -> None:
     """``out[k] = scales[k // C] · sign⁺_k`` for ``k < out.numel()``, cast to ``out.dtype``.
 
-    ``bits`` has shape ``(n, C // 8)``: row ``j`` is chunk ``j`` of the result.
+    ``bits`` has shape ``(n, C // 8)``: row ``j`` is chunk ``j`` of the result. With ``bounds``
+    (over all ``n·C`` elements), ``out[k] = scales[piece(k)] · sign⁺_k``.
     """
+    if bounds is not None:
+        b = check_bounds(bounds, bits.numel() * 8)
+        values = unpack_signs(bits).reshape(-1) * _expand(scales.reshape(-1), b)
+        out.copy_(values[: out.numel()].view(out.shape))
+        return
     values = unpack_signs(bits) * scales.reshape(-1, 1).to(torch.float32)
     out.copy_(values.reshape(-1)[: out.numel()].view(out.shape))

@@ -53,19 +53,31 @@ Bitwise agreement with the reference
 
 Sizes: program ids are widened to int64 before any multiplication, so buffers with more than
 ``2**31`` elements (or bits) index correctly. Empty buffers launch nothing.
+
+Pieces (``bounds=``, see the reference): the grid is a list of *tiles*, each at most ``BLOCK``
+elements of exactly one piece (a piece of ``m`` elements has ``ceil(m / BLOCK)`` tiles, the
+first starting at the piece's start). A program loads its tile's start and piece index from a
+small table, so it needs one scale and never a per-element lookup. Per-piece sums of squares
+are one float64 partial per tile, then a deterministic segmented sum (one program per piece
+adds its tiles in order). The tables depend only on the bounds and the block size, which are
+static for a compressed all-reduce, so they are built once on the host and cached on the
+device. The finite checks of the piece variants are one tiny device op (``isfinite().all()``)
+whose flag the kernels read, so they never sync with the host either.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .reference import pack_signs, unpack_signs
+from .reference import check_bounds, pack_signs, unpack_signs
 
 __all__ = [
+    "check_bounds",
     "DEFAULT_BLOCK",
     "pack_signs",
     "server_average",
@@ -277,6 +289,132 @@ def _unpack_scaled_kernel(bits_ptr, table_ptr, out_ptr, numel, row_bytes, BLOCK:
 
 
 # --------------------------------------------------------------------------------------------
+# Piece kernels: one tile (<= BLOCK elements of one piece) per program
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _piece_tile(tile_start_ptr, tile_piece_ptr, bounds_ptr, BLOCK: tl.constexpr):
+    """This tile's piece, its byte and element indices, and which bytes lie in the piece."""
+    pid = tl.program_id(0).to(tl.int64)
+    start = tl.load(tile_start_ptr + pid)
+    p = tl.load(tile_piece_ptr + pid).to(tl.int64)
+    end = tl.load(bounds_ptr + p + 1)
+    byte = start // 8 + tl.arange(0, BLOCK // 8).to(tl.int64)
+    elem = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
+    return p, byte, elem, byte < end // 8
+
+
+@triton.jit
+def _segment_sum_kernel(partial_ptr, tile_lo_ptr, out_ptr, R: tl.constexpr):
+    """``out[p] = Σ partial[tile_lo[p] : tile_lo[p + 1]]``, in a fixed order (deterministic)."""
+    p = tl.program_id(0).to(tl.int64)
+    lo = tl.load(tile_lo_ptr + p)
+    hi = tl.load(tile_lo_ptr + p + 1)
+    acc = tl.zeros([R], dtype=tl.float64)
+    for i in range(lo, hi, R):
+        k = i + tl.arange(0, R)
+        acc += tl.load(partial_ptr + k, mask=k < hi, other=0.0)
+    tl.store(out_ptr + p, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _worker_sumsq_pieces_kernel(
+    x_ptr, err_ptr, tile_start_ptr, tile_piece_ptr, bounds_ptr, partial_ptr, N, BLOCK: tl.constexpr
+):
+    p, byte, elem, byte_ok = _piece_tile(tile_start_ptr, tile_piece_ptr, bounds_ptr, BLOCK)
+    ok = byte_ok[:, None]
+    x = tl.load(x_ptr + elem, mask=ok & (elem < N), other=0.0).to(tl.float32)
+    e = tl.load(err_ptr + elem, mask=ok, other=0.0)
+    y = (x + e).to(tl.float64)
+    tl.store(partial_ptr + tl.program_id(0).to(tl.int64), tl.sum(tl.sum(y * y, axis=1), axis=0))
+
+
+@triton.jit
+def _worker_pack_pieces_kernel(
+    x_ptr, err_ptr, own_ptr, flag_ptr, bits_ptr, tile_start_ptr, tile_piece_ptr, bounds_ptr, N,
+    BLOCK: tl.constexpr,
+):
+    """Bits of ``y = x + e``; ``e = y - s[piece]·sign⁺(y)`` if the flag (all scales finite) is set."""
+    p, byte, elem, byte_ok = _piece_tile(tile_start_ptr, tile_piece_ptr, bounds_ptr, BLOCK)
+    ok = byte_ok[:, None]
+    x = tl.load(x_ptr + elem, mask=ok & (elem < N), other=0.0).to(tl.float32)
+    e = tl.load(err_ptr + elem, mask=ok, other=0.0)
+    y = x + e
+    positive = y >= 0
+    tl.store(bits_ptr + byte, _pack_bytes(positive), mask=byte_ok)
+    s = tl.load(own_ptr + p)
+    all_finite = tl.load(flag_ptr) != 0
+    tl.store(err_ptr + elem, y - tl.where(positive, s, -s), mask=_and_flag(ok, all_finite))
+
+
+@triton.jit
+def _server_mean_pieces(bits_ptr, scales_ptr, p, P, byte, byte_ok, n, row_bytes, BLOCK: tl.constexpr):
+    """``a = (Σ_i s[i, p]·sign⁺_i) / n`` on one tile of piece ``p``, in rank order."""
+    acc = tl.zeros([BLOCK // 8, 8], dtype=tl.float32)
+    row_ptr = bits_ptr + byte
+    for i in range(n):
+        packed = tl.load(row_ptr, mask=byte_ok, other=0)
+        s = tl.load(scales_ptr + i * P + p)
+        acc += tl.where(_unpack_bytes(packed), s, -s)
+        row_ptr += row_bytes
+    return tl.math.div_rn(acc, tl.full([], n, tl.float32))
+
+
+@triton.jit
+def _server_average_pieces_kernel(
+    bits_ptr, scales_ptr, out_ptr, tile_start_ptr, tile_piece_ptr, bounds_ptr, n, P, row_bytes,
+    BLOCK: tl.constexpr,
+):
+    p, byte, elem, byte_ok = _piece_tile(tile_start_ptr, tile_piece_ptr, bounds_ptr, BLOCK)
+    a = _server_mean_pieces(bits_ptr, scales_ptr, p, P, byte, byte_ok, n, row_bytes, BLOCK)
+    tl.store(out_ptr + elem, a, mask=byte_ok[:, None])
+
+
+@triton.jit
+def _server_sumsq_pieces_kernel(
+    bits_ptr, scales_ptr, serr_ptr, partial_ptr, tile_start_ptr, tile_piece_ptr, bounds_ptr, n, P,
+    row_bytes, BLOCK: tl.constexpr,
+):
+    p, byte, elem, byte_ok = _piece_tile(tile_start_ptr, tile_piece_ptr, bounds_ptr, BLOCK)
+    ok = byte_ok[:, None]
+    a = _server_mean_pieces(bits_ptr, scales_ptr, p, P, byte, byte_ok, n, row_bytes, BLOCK)
+    z = a + tl.load(serr_ptr + elem, mask=ok, other=0.0)
+    z = tl.where(ok, z, 0.0).to(tl.float64)
+    tl.store(partial_ptr + tl.program_id(0).to(tl.int64), tl.sum(tl.sum(z * z, axis=1), axis=0))
+
+
+@triton.jit
+def _server_pack_pieces_kernel(
+    bits_ptr, scales_ptr, serr_ptr, t_ptr, flag_ptr, out_bits_ptr, tile_start_ptr, tile_piece_ptr,
+    bounds_ptr, n, P, row_bytes, BLOCK: tl.constexpr,
+):
+    p, byte, elem, byte_ok = _piece_tile(tile_start_ptr, tile_piece_ptr, bounds_ptr, BLOCK)
+    ok = byte_ok[:, None]
+    a = _server_mean_pieces(bits_ptr, scales_ptr, p, P, byte, byte_ok, n, row_bytes, BLOCK)
+    z = a + tl.load(serr_ptr + elem, mask=ok, other=0.0)
+    positive = z >= 0
+    tl.store(out_bits_ptr + byte, _pack_bytes(positive), mask=byte_ok)
+    t = tl.load(t_ptr + p)
+    all_finite = tl.load(flag_ptr) != 0
+    tl.store(serr_ptr + elem, z - tl.where(positive, t, -t), mask=_and_flag(ok, all_finite))
+
+
+@triton.jit
+def _unpack_pieces_kernel(
+    bits_ptr, table_ptr, out_ptr, tile_start_ptr, tile_piece_ptr, bounds_ptr, numel, BLOCK: tl.constexpr
+):
+    """``out[k] = ±s[piece(k)]`` for ``k < numel``; ``table`` holds ``(-s_p, +s_p)`` in out's dtype."""
+    p, byte, elem, byte_ok = _piece_tile(tile_start_ptr, tile_piece_ptr, bounds_ptr, BLOCK)
+    byte_ok = byte_ok & (byte * 8 < numel)
+    packed = tl.load(bits_ptr + byte, mask=byte_ok, other=0)
+    neg = tl.load(table_ptr + 2 * p)
+    pos = tl.load(table_ptr + 2 * p + 1)
+    values = tl.where(_unpack_bytes(packed), pos, neg)
+    tl.store(out_ptr + elem, values, mask=byte_ok[:, None] & (elem < numel))
+
+
+# --------------------------------------------------------------------------------------------
 # Host wrappers: validate shapes (host metadata only, never device values) and launch
 # --------------------------------------------------------------------------------------------
 
@@ -335,14 +473,19 @@ def _check_rows(bits: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
 
 
 def worker_scale(
-    x: torch.Tensor, error: torch.Tensor, *, block: int = DEFAULT_BLOCK
+    x: torch.Tensor, error: torch.Tensor, *, block: int = DEFAULT_BLOCK, bounds=None
 ) -> torch.Tensor:
-    """``RMS(x_padded + error)`` as a 0-dim fp32 tensor (0 for an empty buffer). No host sync."""
+    """``RMS(x_padded + error)`` as a 0-dim fp32 tensor (0 for an empty buffer). No host sync.
+
+    With ``bounds``: the ``(P,)`` RMS of each piece.
+    """
     _check_block(block)
     _require(error, "error", torch.float32)
     _same_device(x, error)
     L = error.numel()
     x_flat = _flat_input(x, L)
+    if bounds is not None:
+        return _worker_scale_pieces(x_flat, error, bounds, block)
     if L == 0:
         return torch.zeros((), dtype=torch.float32, device=error.device)
     programs = triton.cdiv(L, block)
@@ -362,11 +505,13 @@ def worker_pack(
     bits_out: torch.Tensor,
     *,
     block: int = DEFAULT_BLOCK,
+    bounds=None,
 ) -> None:
     """Write ``sign⁺(x + error)`` into ``bits_out``; update ``error`` in place.
 
     The error becomes ``y - scales[rank]·sign⁺(y)`` only when all scales are finite; the
-    check happens on the device, so this call never waits for the GPU.
+    check happens on the device, so this call never waits for the GPU. With ``bounds``,
+    ``scales`` is ``(n, P)`` and piece ``p`` uses ``scales[rank, p]``.
     """
     _check_block(block)
     _require(error, "error", torch.float32)
@@ -376,6 +521,10 @@ def worker_pack(
     _require(bits_out, "bits_out", torch.uint8, numel=L // 8)
     scales = scales.reshape(-1)
     _require(scales, "scales", torch.float32)
+    if bounds is not None:
+        _same_device(x, error, scales, bits_out)
+        _worker_pack_pieces(_flat_input(x, L), error, scales, rank, bits_out, bounds, block)
+        return
     n = scales.numel()
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} out of range for {n} scales")
@@ -392,10 +541,25 @@ def worker_pack(
 
 
 def server_average(
-    bits: torch.Tensor, scales: torch.Tensor, *, block: int = DEFAULT_BLOCK
+    bits: torch.Tensor, scales: torch.Tensor, *, block: int = DEFAULT_BLOCK, bounds=None
 ) -> torch.Tensor:
-    """``mean_i scales[i] · sign⁺(bits[i])`` with the exact summation order of the spec."""
+    """``mean_i scales[i] · sign⁺(bits[i])`` with the exact summation order of the spec.
+
+    With ``bounds`` (over the chunk), ``scales`` is ``(n, P)``.
+    """
     _check_block(block)
+    if bounds is not None:
+        n, row_bytes, scales, table = _piece_rows(bits, scales, bounds, block)
+        _same_device(bits, scales)
+        bnd, starts, pieces, _, counts, tiles = table
+        out = torch.empty(row_bytes * 8, dtype=torch.float32, device=bits.device)
+        if tiles:
+            with _on_device(bits):
+                _server_average_pieces_kernel[(tiles,)](
+                    bits, scales, out, starts, pieces, bnd, n, counts.numel(), row_bytes,
+                    BLOCK=block, **_launch_options(block),
+                )
+        return out
     scales = scales.reshape(-1)
     n, row_bytes = _check_rows(bits, scales)
     _same_device(bits, scales)
@@ -416,9 +580,26 @@ def server_scale(
     server_error: torch.Tensor,
     *,
     block: int = DEFAULT_BLOCK,
+    bounds=None,
 ) -> torch.Tensor:
-    """``RMS(server_average(bits, scales) + server_error)`` as a 0-dim fp32 tensor."""
+    """``RMS(server_average(bits, scales) + server_error)`` as a 0-dim fp32 tensor.
+
+    With ``bounds``: the ``(P,)`` RMS of each piece of ``z``.
+    """
     _check_block(block)
+    if bounds is not None:
+        n, row_bytes, scales, table = _piece_rows(bits, scales, bounds, block)
+        _require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
+        _same_device(bits, scales, server_error)
+        bnd, starts, pieces, _, counts, tiles = table
+        partials = torch.empty(tiles, dtype=torch.float64, device=bits.device)
+        with _on_device(bits):
+            if tiles:
+                _server_sumsq_pieces_kernel[(tiles,)](
+                    bits, scales, server_error, partials, starts, pieces, bnd, n, counts.numel(),
+                    row_bytes, BLOCK=block, **_launch_options(block),
+                )
+            return _piece_rms(partials, table)
     scales = scales.reshape(-1)
     n, row_bytes = _check_rows(bits, scales)
     _require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
@@ -444,12 +625,30 @@ def server_pack(
     bits_out: torch.Tensor,
     *,
     block: int = DEFAULT_BLOCK,
+    bounds=None,
 ) -> None:
     """Write ``sign⁺(z)``, ``z = average + ē``; ``ē = z - t·sign⁺(z)`` if ``t`` is finite.
 
-    The finite check happens on the device, so this call never waits for the GPU.
+    The finite check happens on the device, so this call never waits for the GPU. With
+    ``bounds``, ``scale`` holds the ``(P,)`` piece scales (all must be finite).
     """
     _check_block(block)
+    if bounds is not None:
+        n, row_bytes, scales, table = _piece_rows(bits, scales, bounds, block)
+        bnd, starts, pieces, _, counts, tiles = table
+        _require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
+        scale = scale.reshape(-1)
+        _require(scale, "scale", torch.float32, numel=counts.numel())
+        _require(bits_out, "bits_out", torch.uint8, numel=row_bytes)
+        _same_device(bits, scales, server_error, scale, bits_out)
+        if tiles:
+            with _on_device(bits):
+                flag = _all_finite_flag(scale)
+                _server_pack_pieces_kernel[(tiles,)](
+                    bits, scales, server_error, scale, flag, bits_out, starts, pieces, bnd, n,
+                    counts.numel(), row_bytes, BLOCK=block, **_launch_options(block),
+                )
+        return
     scales = scales.reshape(-1)
     n, row_bytes = _check_rows(bits, scales)
     _require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
@@ -468,11 +667,13 @@ def server_pack(
 
 
 def unpack_scaled(
-    bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block: int = DEFAULT_BLOCK
+    bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block: int = DEFAULT_BLOCK,
+    bounds=None,
 ) -> None:
     """``out[k] = scales[k // C] · sign⁺_k`` for ``k < out.numel()``, cast to ``out.dtype``.
 
-    ``bits`` has shape ``(n, C // 8)``: row ``j`` is chunk ``j`` of the result.
+    ``bits`` has shape ``(n, C // 8)``: row ``j`` is chunk ``j`` of the result. With ``bounds``
+    (over all ``n·C`` elements), ``out[k] = scales[piece(k)] · sign⁺_k``.
     """
     _check_block(block)
     if bits.dim() != 2:
@@ -480,7 +681,12 @@ def unpack_scaled(
     _require(bits, "bits", torch.uint8)
     n, row_bytes = bits.shape
     scales = scales.reshape(-1)
-    if scales.numel() != n:
+    table = None
+    if bounds is not None:
+        table = _tables(bounds, n * row_bytes * 8, block, bits.device)
+        if scales.numel() != table[4].numel():
+            raise ValueError(f"scales must have {table[4].numel()} elements (one per piece), got {scales.numel()}")
+    elif scales.numel() != n:
         raise ValueError(f"scales must have {n} elements, got {scales.numel()}")
     if out.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"out must be one of {_FLOAT_INPUTS}, got {out.dtype}")
@@ -495,15 +701,120 @@ def unpack_scaled(
     # two small asynchronous device ops). It also keeps every float conversion out of the
     # kernel: the Triton 3.9 CPU interpreter truncates fp32 -> bf16 instead of rounding.
     s32 = scales.to(torch.float32)
-    table = torch.stack((-s32, s32), dim=1).to(out.dtype)
+    pm = torch.stack((-s32, s32), dim=1).to(out.dtype)
     # The kernel writes a flat contiguous range; for a strided `out` go through a temporary.
     target = out
     if not out.is_contiguous():
         target = torch.empty(numel, dtype=out.dtype, device=out.device)
-    programs = triton.cdiv(numel, block)
-    with _on_device(bits):
-        _unpack_scaled_kernel[(programs,)](
-            bits, table, target, numel, row_bytes, BLOCK=block, **_launch_options(block)
-        )
+    if table is not None:
+        bnd, starts, pieces, _, _, tiles = table
+        if tiles:
+            with _on_device(bits):
+                _unpack_pieces_kernel[(tiles,)](
+                    bits, pm, target, starts, pieces, bnd, numel, BLOCK=block, **_launch_options(block)
+                )
+    else:
+        programs = triton.cdiv(numel, block)
+        with _on_device(bits):
+            _unpack_scaled_kernel[(programs,)](
+                bits, pm, target, numel, row_bytes, BLOCK=block, **_launch_options(block)
+            )
     if target is not out:
         out.copy_(target.view(out.shape))
+
+
+# --------------------------------------------------------------------------------------------
+# Piece variants of the wrappers (``bounds=``)
+# --------------------------------------------------------------------------------------------
+
+_SEGMENT_R = 256  # tile partials summed per step of the segmented sum
+
+
+@functools.lru_cache(maxsize=512)
+def _tile_table(bounds: tuple, block: int, device: torch.device) -> tuple:
+    """Device tables for ``bounds`` tiled by ``block``: built once per static layout.
+
+    Returns ``(bounds, tile_start, tile_piece, tile_lo, counts, tiles)``: tile ``t`` starts at
+    element ``tile_start[t]`` of piece ``tile_piece[t]``; piece ``p`` owns tiles
+    ``tile_lo[p] .. tile_lo[p + 1] - 1``; ``counts`` are the pieces' lengths (float64).
+    """
+    starts, pieces, lo = [], [], [0]
+    for p, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        first = range(a, b, block)
+        starts.extend(first)
+        pieces.extend([p] * len(first))
+        lo.append(len(starts))
+    i64 = dict(dtype=torch.int64, device=device)
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    return (
+        torch.tensor(bounds, **i64),
+        torch.tensor(starts, **i64),
+        torch.tensor(pieces, dtype=torch.int32, device=device),
+        torch.tensor(lo, **i64),
+        torch.tensor(lengths, dtype=torch.float64, device=device),
+        len(starts),
+    )
+
+
+def _tables(bounds, length: int, block: int, device: torch.device) -> tuple:
+    return _tile_table(tuple(check_bounds(bounds, length)), block, torch.device(device))
+
+
+def _piece_rms(partials: torch.Tensor, table: tuple) -> torch.Tensor:
+    """Per-piece RMS from the tiles' partial sums of squares (device ops only)."""
+    _, _, _, tile_lo, counts, _ = table
+    P = counts.numel()
+    sums = torch.empty(P, dtype=torch.float64, device=counts.device)
+    if P:
+        _segment_sum_kernel[(P,)](partials, tile_lo, sums, R=_SEGMENT_R)
+    rms = (sums / counts.clamp(min=1.0)).sqrt()
+    return torch.where(counts > 0, rms, torch.zeros_like(rms)).to(torch.float32)
+
+
+def _all_finite_flag(t: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(t).all().to(torch.int32).reshape(1)
+
+
+def _worker_scale_pieces(x_flat, error, bounds, block) -> torch.Tensor:
+    table = _tables(bounds, error.numel(), block, error.device)
+    bnd, starts, pieces, _, _, tiles = table
+    partials = torch.empty(tiles, dtype=torch.float64, device=error.device)
+    with _on_device(error):
+        if tiles:
+            _worker_sumsq_pieces_kernel[(tiles,)](
+                x_flat, error, starts, pieces, bnd, partials, x_flat.numel(),
+                BLOCK=block, **_launch_options(block),
+            )
+        return _piece_rms(partials, table)
+
+
+def _worker_pack_pieces(x_flat, error, scales, rank, bits_out, bounds, block) -> None:
+    table = _tables(bounds, error.numel(), block, error.device)
+    bnd, starts, pieces, _, counts, tiles = table
+    P = counts.numel()
+    if P == 0:
+        return
+    if scales.numel() % P or not 0 <= rank < scales.numel() // P:
+        raise ValueError(f"scales {tuple(scales.shape)} do not hold rank {rank}'s {P} piece scales")
+    own = scales.reshape(-1, P)[rank].contiguous()
+    with _on_device(error):
+        flag = _all_finite_flag(scales)
+        _worker_pack_pieces_kernel[(tiles,)](
+            x_flat, error, own, flag, bits_out, starts, pieces, bnd, x_flat.numel(),
+            BLOCK=block, **_launch_options(block),
+        )
+
+
+def _piece_rows(bits: torch.Tensor, scales: torch.Tensor, bounds, block: int) -> tuple:
+    """Checks for the server piece variants: ``(n, row_bytes, scales (n, P), table)``."""
+    if bits.dim() != 2:
+        raise ValueError(f"bits must have shape (n, C // 8), got {tuple(bits.shape)}")
+    _require(bits, "bits", torch.uint8)
+    n, row_bytes = bits.shape
+    if n == 0:
+        raise ValueError("bits must have at least one row")
+    table = _tables(bounds, row_bytes * 8, block, bits.device)
+    P = table[4].numel()
+    scales = scales.reshape(-1)
+    _require(scales, "scales", torch.float32, numel=n * P)
+    return n, row_bytes, scales, table

@@ -162,8 +162,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
     #: Plans that need a compression segment.
     _SEGMENT_PLANS = (Plan.COMPRESS_MOMENTUM, Plan.COMPRESS_GRADIENT)
 
-    def __init__(self, params, defaults: dict) -> None:
+    def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False) -> None:
         super().__init__(params, defaults)
+        #: One compression scale per parameter tensor of a bucket instead of one per rank and
+        #: chunk (see :class:`~hf_onebit.comm.CompressedAllReduce`'s ``piece_sizes``).
+        self.scale_per_tensor = bool(scale_per_tensor)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.is_sparse:
@@ -252,9 +255,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def _new_segment(self, key: tuple[int, ...], device: torch.device) -> Segment:
         params = self.params_in_order()
         numel = sum(params[i].numel() for i in key)
+        piece_sizes = [params[i].numel() for i in key] if getattr(self, "scale_per_tensor", False) else None
         comm = CompressedAllReduce(
             numel, device=device, group=self.process_group, stats=self.comm_stats,
             deferred_commit=self.grad_scale is not None,  # a loss scaler may skip the step
+            piece_sizes=piece_sizes,
         )
         seg = Segment(key, numel, comm, torch.device(device))
         pending = (self._pending_rank_state or {}).get("segments", {}).pop(key, None)

@@ -324,3 +324,162 @@ def test_unpack_scaled_into_a_strided_out():
     assert_bitwise_equal(big[:, 1].contiguous(), expected)
     big[:, 1] = 0
     assert big.abs().max() == 0  # nothing outside the column was touched
+
+
+# ------------------------------------------------------------------------------------------
+# Pieces (one scale per piece, ``bounds=``)
+# ------------------------------------------------------------------------------------------
+
+
+def make_bounds(length: int, gen: torch.Generator, pieces: int) -> list[int]:
+    """Random piece bounds over ``length`` (multiples of 8), with some empty pieces."""
+    if length == 0:
+        return [0]
+    cuts = torch.randint(0, length // 8 + 1, (pieces - 1,), generator=gen) * 8
+    cuts = sorted(cuts.tolist())
+    return [0] + cuts + [cuts[-1] if cuts else 0] + [length]  # the duplicate: an empty piece
+
+
+def piece_magnitudes(x_len: int, bounds: list[int], gen: torch.Generator) -> torch.Tensor:
+    """A magnitude per element that differs by orders of magnitude between pieces."""
+    mags = torch.ones(max(bounds[-1], x_len))
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        mags[lo:hi] = 10.0 ** torch.randint(-6, 3, (1,), generator=gen).item()
+    return mags[:x_len]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("numel", [0, 9, 1000, 2**16 + 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_worker_ops_with_pieces_match_reference(dtype, numel, n):
+    gen = torch.Generator().manual_seed(numel + 7 * n)
+    length = padded_length(numel, n)
+    bounds = make_bounds(length, gen, 6)
+    P = len(bounds) - 1
+    rank = n - 1
+    err_cpu, err_ref = torch.zeros(length), torch.zeros(length)
+    bits_cpu = torch.full((length // 8,), 0xAA, dtype=torch.uint8)
+    bits_ref = torch.empty(length // 8, dtype=torch.uint8)
+    mags = piece_magnitudes(numel, bounds, gen)
+    for step in range(5):
+        x = (torch.randn(numel, generator=gen) * mags).to(dtype)
+        s_cpu = cpu.worker_scale(x, err_cpu, bounds=bounds)
+        s_ref = ref.worker_scale(x, err_ref, bounds=torch.tensor(bounds))
+        assert s_cpu.shape == (P,) and s_cpu.dtype == torch.float32
+        torch.testing.assert_close(s_cpu, s_ref, rtol=1e-6, atol=0.0)
+        for p, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if hi == lo:
+                assert s_ref[p] == 0  # the RMS of nothing
+        scales = torch.rand(n, P, generator=gen) + 0.5
+        scales[rank] = s_ref
+        cpu.worker_pack(x, err_cpu, scales, rank, bits_cpu, bounds=bounds)
+        ref.worker_pack(x, err_ref, scales, rank, bits_ref, bounds=bounds)
+        assert_bitwise_equal(bits_cpu, bits_ref)
+        assert_bitwise_equal(err_cpu, err_ref)
+    if numel > 8:
+        assert err_cpu.abs().max() > 0
+
+
+@pytest.mark.parametrize("numel", [1000, 2**16 + 3])
+def test_one_piece_is_the_single_scale(numel):
+    gen = torch.Generator().manual_seed(numel)
+    length = padded_length(numel, 2)
+    e1, e2 = torch.randn(length, generator=gen), None
+    e2 = e1.clone()
+    x = torch.randn(numel, generator=gen)
+    s = cpu.worker_scale(x, e1)
+    sp = cpu.worker_scale(x, e2, bounds=[0, length])
+    assert_bitwise_equal(sp, s.reshape(1))
+    b1, b2 = torch.empty(length // 8, dtype=torch.uint8), torch.empty(length // 8, dtype=torch.uint8)
+    scales = torch.stack([s, torch.tensor(0.3)])
+    cpu.worker_pack(x, e1, scales, 0, b1)
+    cpu.worker_pack(x, e2, scales.reshape(2, 1), 0, b2, bounds=[0, length])
+    assert_bitwise_equal(b1, b2)
+    assert_bitwise_equal(e1, e2)
+    # unpack with the chunk boundaries as pieces is the per-chunk unpack
+    rows = torch.randint(0, 256, (2, length // 16), dtype=torch.uint8, generator=gen)
+    o1, o2 = torch.empty(numel), torch.empty(numel)
+    cpu.unpack_scaled(rows, scales, o1)
+    cpu.unpack_scaled(rows, scales, o2, bounds=[0, length // 2, length])
+    assert_bitwise_equal(o1, o2)
+
+
+@pytest.mark.parametrize("chunk", [8, 64, 8000, 2**15 + 8])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_server_ops_with_pieces_match_reference(n, chunk):
+    gen = torch.Generator().manual_seed(chunk + 11 * n)
+    bounds = make_bounds(chunk, gen, 5)
+    P = len(bounds) - 1
+    err_cpu, err_ref = torch.zeros(chunk), torch.zeros(chunk)
+    out_cpu = torch.empty(chunk // 8, dtype=torch.uint8)
+    out_ref = torch.empty(chunk // 8, dtype=torch.uint8)
+    for step in range(4):
+        bits = torch.randint(0, 256, (n, chunk // 8), dtype=torch.uint8, generator=gen)
+        scales = torch.rand(n, P, generator=gen) * 10.0 ** torch.randint(-5, 2, (1, P), generator=gen)
+        if step == 1:
+            scales[0] = 0.0
+        assert_bitwise_equal(cpu.server_average(bits, scales, bounds=bounds), ref.server_average(bits, scales, bounds=bounds))
+        t_cpu = cpu.server_scale(bits, scales, err_cpu, bounds=bounds)
+        t_ref = ref.server_scale(bits, scales, err_ref, bounds=bounds)
+        assert t_cpu.shape == (P,)
+        torch.testing.assert_close(t_cpu, t_ref, rtol=1e-6, atol=0.0)
+        cpu.server_pack(bits, scales, err_cpu, t_ref, out_cpu, bounds=bounds)
+        ref.server_pack(bits, scales, err_ref, t_ref, out_ref, bounds=bounds)
+        assert_bitwise_equal(out_cpu, out_ref)
+        assert_bitwise_equal(err_cpu, err_ref)
+    if n > 1:
+        assert err_cpu.abs().max() > 0
+
+
+def test_pieces_non_finite_scales_leave_errors_untouched():
+    gen = torch.Generator().manual_seed(8)
+    bounds = [0, 16, 48, 64]
+    x = torch.randn(60, generator=gen)
+    error = torch.randn(64, generator=gen)
+    before = error.clone()
+    bits, bits_ref = torch.empty(8, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8)
+    scales = torch.rand(2, 3, generator=gen)
+    scales[1, 2] = float("nan")  # another rank's last piece
+    cpu.worker_pack(x, error, scales, 0, bits, bounds=bounds)
+    ref.worker_pack(x, before.clone(), scales, 0, bits_ref, bounds=bounds)
+    assert_bitwise_equal(error, before)
+    assert_bitwise_equal(bits, bits_ref)
+    # server: one non-finite piece scale keeps the whole server error
+    rows = torch.randint(0, 256, (2, 8), dtype=torch.uint8, generator=gen)
+    good = torch.rand(2, 3, generator=gen)
+    se = torch.randn(64, generator=gen)
+    se_before = se.clone()
+    t = cpu.server_scale(rows, good, se, bounds=bounds)
+    t[1] = float("inf")
+    cpu.server_pack(rows, good, se, t, bits, bounds=bounds)
+    assert_bitwise_equal(se, se_before)
+    t[1] = 1.0
+    cpu.server_pack(rows, good, se, t, bits, bounds=bounds)
+    assert not torch.equal(se, se_before)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n", [1, 3])
+def test_unpack_scaled_with_pieces_matches_reference(out_dtype, n):
+    gen = torch.Generator().manual_seed(30 + n)
+    chunk = 8 * 100
+    bounds = make_bounds(n * chunk, gen, 9)
+    bits = torch.randint(0, 256, (n, chunk // 8), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(len(bounds) - 1, generator=gen) / 3
+    for numel in (n * chunk, n * chunk - 5, chunk - 3, 11, 0):
+        out = torch.full((numel,), 7.0, dtype=out_dtype)
+        expected = torch.full((numel,), 7.0, dtype=out_dtype)
+        cpu.unpack_scaled(bits, scales, out, bounds=bounds)
+        ref.unpack_scaled(bits, scales, expected, bounds=bounds)
+        assert_bitwise_equal(out, expected)
+
+
+def test_bad_bounds_are_refused():
+    x, error = torch.randn(16), torch.zeros(16)
+    for bad in ([0, 4, 16], [0, 8], [8, 16], [0, 16, 8, 16]):
+        with pytest.raises(ValueError):
+            cpu.worker_scale(x, error, bounds=bad)
+    with pytest.raises(ValueError):
+        cpu.worker_pack(x, error, torch.ones(5), 0, torch.empty(2, dtype=torch.uint8), bounds=[0, 8, 16])
+    with pytest.raises(ValueError):  # 2 ranks x 2 pieces: there is no rank 2
+        cpu.worker_pack(x, error, torch.ones(2, 2), 2, torch.empty(2, dtype=torch.uint8), bounds=[0, 8, 16])

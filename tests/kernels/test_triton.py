@@ -435,3 +435,143 @@ def test_argument_checks():
         T.server_scale(torch.zeros(2, 1, dtype=torch.uint8), torch.ones(2), torch.zeros(16))
     with pytest.raises(ValueError, match="out has"):
         T.unpack_scaled(torch.zeros(2, 1, dtype=torch.uint8), torch.ones(2), torch.zeros(17))
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces (one scale per piece, ``bounds=``)
+# --------------------------------------------------------------------------------------------
+
+
+def make_bounds(length: int, seed: int, pieces: int = 5) -> list[int]:
+    """Random bounds over ``length`` (multiples of 8), with an empty piece; [0] for length 0."""
+    if length == 0:
+        return [0]
+    g = torch.Generator().manual_seed(3000 + seed)
+    cuts = sorted((torch.randint(0, length // 8 + 1, (pieces - 1,), generator=g) * 8).tolist())
+    return [0] + cuts + [cuts[-1]] + [length]
+
+
+def piece_x(numel: int, bounds: list[int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """``make_x`` with magnitudes that differ by orders of magnitude between pieces."""
+    x = make_x(numel, torch.float32, seed)
+    for p, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        x[lo:hi] *= 10.0 ** ((p * 7 + seed) % 9 - 6)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("block", (64, 4096))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", (1, 3))
+@pytest.mark.parametrize("numel", (0, 9, 1000))
+def test_worker_pieces_match_reference(numel, n, dtype, block):
+    L = padded_length(numel, n)
+    bounds = make_bounds(L, numel + n)
+    P = len(bounds) - 1
+    e_ref, e_tri = torch.zeros(L), torch.zeros(L)
+    for step in range(3):
+        x = piece_x(numel, bounds, dtype, seed=step)
+        s_ref = R.worker_scale(x, e_ref, bounds=bounds)
+        s_tri = T.worker_scale(x, e_tri, block=block, bounds=bounds)
+        assert s_tri.shape == (P,) and s_tri.dtype == torch.float32
+        torch.testing.assert_close(s_tri, s_ref, rtol=1e-6, atol=0.0)
+        rank = step % n
+        scales = make_scales(n * max(P, 1), step)[: n * P].reshape(n, P)
+        scales[rank] = s_ref
+        b_ref = torch.empty(L // 8, dtype=torch.uint8)
+        b_tri = torch.full((L // 8,), 0xA5, dtype=torch.uint8)
+        R.worker_pack(x, e_ref, scales, rank, b_ref, bounds=bounds)
+        T.worker_pack(x, e_tri, scales, rank, b_tri, block=block, bounds=bounds)
+        assert torch.equal(b_tri, b_ref), f"bits differ at step {step}"
+        assert torch.equal(e_tri, e_ref), f"error differs at step {step}"
+    if L:
+        assert e_tri.abs().sum() > 0
+
+
+def test_worker_pieces_non_finite_scale_leaves_error_untouched():
+    x = make_x(60, torch.float32, seed=9)
+    bounds = [0, 16, 48, 64]
+    error = torch.randn(64)
+    before = error.clone()
+    scales = make_scales(6, 9).reshape(2, 3)
+    scales[1, 2] = float("inf")
+    bits = torch.empty(8, dtype=torch.uint8)
+    T.worker_pack(x, error, scales, 0, bits, block=64, bounds=bounds)
+    assert torch.equal(error, before)
+    assert torch.equal(bits, R.pack_signs(R._padded(x, 64) + before))
+
+
+@pytest.mark.parametrize("block", (64, 4096))
+@pytest.mark.parametrize("n", (1, 3))
+@pytest.mark.parametrize("chunk", (8, 1000, 4104))
+def test_server_pieces_match_reference(chunk, n, block):
+    bounds = make_bounds(chunk, chunk + n)
+    P = len(bounds) - 1
+    se_ref, se_tri = torch.zeros(chunk), torch.zeros(chunk)
+    for step in range(3):
+        bits = make_bits(n, chunk // 8, seed=step)
+        scales = (make_scales(n * P, step) * 10.0 ** (torch.arange(n * P) % 5 - 3)).reshape(n, P)
+        avg = T.server_average(bits, scales, block=block, bounds=bounds)
+        assert torch.equal(avg, R.server_average(bits, scales, bounds=bounds))
+        t_ref = R.server_scale(bits, scales, se_ref, bounds=bounds)
+        t_tri = T.server_scale(bits, scales, se_tri, block=block, bounds=bounds)
+        assert t_tri.shape == (P,)
+        torch.testing.assert_close(t_tri, t_ref, rtol=1e-6, atol=0.0)
+        o_ref = torch.empty(chunk // 8, dtype=torch.uint8)
+        o_tri = torch.full((chunk // 8,), 0x5A, dtype=torch.uint8)
+        R.server_pack(bits, scales, se_ref, t_ref, o_ref, bounds=bounds)
+        T.server_pack(bits, scales, se_tri, t_ref, o_tri, block=block, bounds=bounds)
+        assert torch.equal(o_tri, o_ref), f"bits differ at step {step}"
+        assert torch.equal(se_tri, se_ref), f"server error differs at step {step}"
+    if n > 1:
+        assert se_tri.abs().sum() > 0
+    # one non-finite piece scale keeps the whole server error
+    before = se_tri.clone()
+    bad = t_ref.clone()
+    bad[-1] = float("nan")
+    T.server_pack(bits, scales, se_tri, bad, o_tri, block=block, bounds=bounds)
+    assert torch.equal(se_tri, before)
+
+
+@pytest.mark.parametrize("block", (64, 4096))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", (1, 3))
+def test_unpack_scaled_pieces_match_reference(n, dtype, block):
+    chunk = 1000
+    bits = make_bits(n, chunk // 8, seed=40 + n)
+    bounds = make_bounds(n * chunk, 40 + n, pieces=7)
+    scales = (make_scales(len(bounds) - 1, n) / 3).to(torch.float32)
+    total = n * chunk
+    for numel in (0, 1, total - 5, total):
+        out_ref = torch.empty(numel, dtype=dtype)
+        out_tri = torch.full((numel,), 7.0, dtype=dtype)
+        R.unpack_scaled(bits, scales, out_ref, bounds=bounds)
+        T.unpack_scaled(bits, scales, out_tri, block=block, bounds=bounds)
+        assert torch.equal(out_tri, out_ref), f"numel={numel}"
+
+
+def test_pieces_no_host_sync(monkeypatch):
+    """The piece variants read no device value on the host either (tables are built first)."""
+    n, numel = 2, 50
+    L = padded_length(numel, n)
+    bounds, local, everything = [0, 16, 48, 64], [0, 16, 32], [0, 16, 48, 64]
+    x, error, server_error = torch.randn(numel), torch.zeros(L), torch.zeros(L // n)
+    for b, length in ((bounds, L), (local, L // n), (everything, L)):
+        T._tables(b, length, T.DEFAULT_BLOCK, error.device)  # the static tables, built once
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host read of a tensor value (a device sync on CUDA)")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    own = T.worker_scale(x, error, bounds=bounds)
+    scales = torch.stack([own, torch.ones(3)])
+    bits = torch.empty(L // 8, dtype=torch.uint8)
+    T.worker_pack(x, error, scales, 0, bits, bounds=bounds)
+    received = bits.view(n, -1)
+    chunk_scales = scales[:, :2].contiguous()
+    t = T.server_scale(received, chunk_scales, server_error, bounds=local)
+    out_bits = torch.empty(L // (8 * n), dtype=torch.uint8)
+    T.server_pack(received, chunk_scales, server_error, t, out_bits, bounds=local)
+    T.unpack_scaled(torch.stack([out_bits, out_bits]), torch.ones(3), torch.empty(numel), bounds=everything)
+    monkeypatch.undo()
+    assert error.abs().sum().item() > 0 and server_error.abs().sum().item() > 0

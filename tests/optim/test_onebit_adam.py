@@ -12,6 +12,17 @@ from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
 from tests.simulation import OneBitAdamSimulation
 
+from hf_onebit import OneBitAdam
+
+
+class OneBitAdamPerTensor(OneBitAdam):
+    """1-bit Adam with the base class's ``scale_per_tensor`` switched on (the subclasses'
+    constructors do not expose it yet)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.scale_per_tensor = True
+
 
 def _averaged(step, world_size):
     per_rank = [fixed_grads(step, r) for r in range(world_size)]
@@ -37,17 +48,18 @@ def test_warmup_equals_adamw_on_the_averaged_gradient(world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("bias_correction", [True, False])
-def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_correction):
+def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_correction, per_tensor=False):
     steps, freeze = 16, 6
     kwargs = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, freeze_step=freeze,
                   bias_correction=bias_correction)
-    outs = run_distributed(partial(train, tiny_grads=True), world_size, "OneBitAdam", kwargs, steps)
+    name = f"{__name__}:OneBitAdamPerTensor" if per_tensor else "OneBitAdam"
+    outs = run_distributed(partial(train, tiny_grads=True), world_size, name, kwargs, steps)
     segments = outs[0]["segments"]
     assert len(segments) > 1, "the test wants several DDP buckets"
     torch.manual_seed(0)
     init = [p.detach().numpy() for p in FixedGradModel().parameters()]
     sim = OneBitAdamSimulation(init, world_size, [list(s) for s in segments], lr=1e-2, wd=0.01,
-                               freeze_step=freeze, bias_correction=bias_correction)
+                               freeze_step=freeze, bias_correction=bias_correction, scale_per_tensor=per_tensor)
     for step in range(1, steps + 1):
         grads = [[g.numpy() for g in fixed_grads(step, r, tiny=True)] for r in range(world_size)]
         expected = sim.step(grads)
@@ -62,6 +74,11 @@ def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_
     assert stats["phase"] == "compression"
     assert stats["last_step_rounds"] == 3 * len(segments)
     assert stats["compression_ratio"] > 1
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_scale_per_tensor_trajectory_matches_piece_simulation(world_size):
+    test_trajectory_matches_spec_simulation_through_the_freeze(world_size, True, per_tensor=True)
 
 
 def test_auto_mask_keeps_never_updated_coordinates_still():
