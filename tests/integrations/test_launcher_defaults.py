@@ -180,3 +180,22 @@ def test_logged_loss_of_adamw_and_onebit_adam_warmup_agree_on_two_processes(tmp_
         assert b["onebit/phase"] == "warmup"
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), (a, b)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-3), (a, b)
+
+
+def test_the_freeze_warning_names_the_option_a_stock_script_accepts(patched, monkeypatch, tmp_path, caplog):
+    import logging
+
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, Trainer
+
+    args = _parse_stock(monkeypatch, ["--optim", "onebit_adam", "--optim_args", "freeze_step=10", "--max_steps", "2",
+                                      "--per_device_train_batch_size", "4", "--save_strategy", "no",
+                                      "--disable_tqdm", "true", "--output_dir", str(tmp_path)])
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=16, num_labels=2))
+    data = [{"input_ids": torch.tensor([1, 5, 6, 7]), "labels": torch.tensor(i % 2)} for i in range(8)]
+    with caplog.at_level(logging.WARNING, logger="hf_onebit"):
+        Trainer(model=model, args=args, train_dataset=data).train()
+    assert "freeze_step=10 >= max_steps=2" in caplog.text
+    assert 'Set --optim_args "freeze_step=1"' in caplog.text and "--freeze_step " not in caplog.text
