@@ -3,7 +3,7 @@
 A stock script (``HfArgumentParser(TrainingArguments)`` + ``Trainer``, e.g. transformers'
 ``run_glue.py``) cannot be told about hf_onebit, so the launcher (``python -m hf_onebit.run
 script.py ...`` / ``hf-onebit run script.py ...``) calls :func:`install` before running it.
-:func:`install` changes exactly three things, each needed and nothing else:
+:func:`install` changes exactly five things, each needed and nothing else:
 
 1. **``OptimizerNames`` gets four members** (``onebit_adam``, ``zeroone_adam``, ``onebit_lamb``,
    ``binsgdm``). ``HfArgumentParser`` builds the ``--optim`` choices from this enum and
@@ -18,8 +18,13 @@ script.py ...`` / ``hf-onebit run script.py ...``) calls :func:`install` before 
 3. **``Trainer.train``** is wrapped: when the trainer uses an hf_onebit optimizer it runs
    :func:`hf_onebit.integrations.trainer.before_train` (start-up refusals, loss-scaling fix,
    :class:`~hf_onebit.integrations.callbacks.OneBitCallback` which attaches the hook, saves and
-   restores per-rank state and logs), then the original ``train``. Trainers not using
-   hf_onebit run untouched.
+   restores per-rank state and logs), then the original ``train``. For every optimizer it
+   first applies :func:`~hf_onebit.integrations.trainer.fix_loss_kwargs`, so that losses logged
+   with ``--optim adamw_torch`` and with an hf_onebit optimizer compare.
+4. **``TrainingArguments.__post_init__``** is wrapped: for the four names it runs
+   :func:`on_parse` (the defaults of :mod:`hf_onebit.integrations.defaults` unless given, and the
+   optimizer built over a dummy parameter), so mistakes stop the script while it parses.
+5. The ``help`` of the ``optim`` and ``optim_args`` fields names our optimizers and their keys.
 
 Checked with transformers 5.23 (and accelerate 1.15). If an internal that this relies on is
 missing, :func:`install` raises :class:`PatchError` naming it; use
