@@ -8,11 +8,14 @@ module         what it holds
 ``accelerate`` :func:`~hf_onebit.integrations.accelerate.attach` and ``OneBitAccelerator``
                for hand-written Accelerate loops
 ``options``    the ``--optim`` names and where each hyperparameter comes from
+``defaults``   what each optimizer needs that the Trainer's defaults lack (no clipping, LAMB's
+               lr), the warmup alias, :func:`~.defaults.default_freeze_arguments`
 ``checks``     start-up refusals (FSDP, DeepSpeed, model parallel, sparse, lone ranks)
 ``checkpoint`` ``<checkpoint>/hf_onebit/hf_onebit_rank{r}_of{n}.pt``
 ``logs``       the ``onebit/...`` log entries
 ``patch``      the one place transformers is patched (for unmodified scripts)
-``launcher``   ``python -m hf_onebit.run`` / ``hf-onebit run``
+``launcher``   ``python -m hf_onebit.run`` / ``hf-onebit run``; ``hf-onebit config`` (the launch
+               configs shipped in ``configs/``)
 ============== ==========================================================================
 
 Nothing here is imported by ``import hf_onebit``; transformers is imported on first use.

@@ -31,7 +31,7 @@ from hf_onebit.integrations.checkpoint import (
     load_rank_state,
     save_rank_state,
 )
-from hf_onebit.integrations.logs import CompressionLog
+from hf_onebit.integrations.logs import SINGLE_PROCESS, CompressionLog, announce
 from hf_onebit.integrations.options import warmup_end
 from hf_onebit.optim import BinSGDM, OneBitOptimizer
 
@@ -73,10 +73,20 @@ class OneBitCallback(TrainerCallback):
             )
         end = warmup_end(opt)
         if end is not None and end >= state.max_steps > 0 and state.is_world_process_zero:
+            # name the option this script accepts: OneBitTrainingArguments has --freeze_step, stock ones do not
+            suggestion = max(1, state.max_steps // 5)
+            how = (f"--freeze_step {suggestion} (or --optim_args freeze_step={suggestion})" if hasattr(args, "freeze_step")
+                   else f'--optim_args "freeze_step={suggestion}"')
             logger.warning(
-                "hf_onebit: freeze_step=%d >= max_steps=%d: the whole run is uncompressed warmup. Set"
-                " --freeze_step (or --optim_args freeze_step=...); published guidance is 15-25%% of the run.",
-                end, state.max_steps,
+                "hf_onebit: freeze_step=%d >= max_steps=%d: the whole run is uncompressed warmup. Set %s (20%% of"
+                " the run; published guidance is 15-25%%).", end, state.max_steps, how,
+            )
+        if opt.world_size == 1:
+            announce(
+                f"one process: {type(opt).__name__} runs its phases (the update rule changes at the warmup's end)"
+                " but nothing is communicated or compressed (onebit/bytes_sent stays 0, onebit/communication:"
+                f" '{SINGLE_PROCESS}'). Launch several processes to compress, e.g. accelerate launch --config_file"
+                " cpu_2proc.yaml -m hf_onebit.run script.py ... (hf-onebit config cpu_2proc --write cpu_2proc.yaml)"
             )
 
     def _restore(self, checkpoint: str) -> None:

@@ -7,7 +7,8 @@
     python -m hf_onebit.run -m package.module ...            # a module instead of a file
 
     # several processes: the launcher runs inside each one
-    accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml -m hf_onebit.run script.py ...
+    hf-onebit config cpu_2proc --write cpu_2proc.yaml        # a launch config shipped with hf_onebit
+    accelerate launch --config_file cpu_2proc.yaml -m hf_onebit.run script.py ...
     torchrun --nproc-per-node 2 -m hf_onebit.run script.py ...
 
 In each process it (1) calls :func:`hf_onebit.integrations.patch.install`, the one documented
@@ -25,14 +26,24 @@ USAGE = """\
 usage: hf-onebit run SCRIPT.py [ARGS ...]
        hf-onebit run -m MODULE [ARGS ...]
        python -m hf_onebit.run SCRIPT.py [ARGS ...]
+       hf-onebit config --list | NAME [--write PATH]
 
-Runs an unmodified transformers/accelerate script in this process with --optim onebit_adam,
-zeroone_adam, onebit_lamb and binsgdm available to the stock TrainingArguments and Trainer.
-For several processes start it under a launcher, e.g.
-  accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml -m hf_onebit.run SCRIPT.py ...
-  torchrun --nproc-per-node 2 -m hf_onebit.run SCRIPT.py ...
-See docs/integrations.md."""
+run:    runs an unmodified transformers/accelerate script in this process with --optim onebit_adam,
+        zeroone_adam, onebit_lamb and binsgdm available to the stock TrainingArguments and Trainer.
+        For several processes start it under a launcher, e.g.
+          hf-onebit config cpu_2proc --write cpu_2proc.yaml
+          accelerate launch --config_file cpu_2proc.yaml -m hf_onebit.run SCRIPT.py --optim onebit_adam ...
+          torchrun --nproc-per-node 2 -m hf_onebit.run SCRIPT.py --optim onebit_adam ...
+config: prints one of the Accelerate launch configs shipped with hf_onebit (--list: their names),
+        or writes it to PATH.
 
+Started without the launcher, a stock script says
+  error: argument --optim: invalid choice: 'onebit_adam' (choose from ...)
+because only the launcher adds hf_onebit's names to transformers' --optim choices. Fix: put
+"-m hf_onebit.run" before the script (as above), or add
+  import hf_onebit.integrations.patch; hf_onebit.integrations.patch.install()
+at the top of the script, or use hf_onebit.OneBitTrainingArguments / OneBitTrainer in it.
+See docs/integrations.md (Troubleshooting)."""
 
 def _has_accelerator() -> bool:
     import torch
@@ -91,12 +102,61 @@ def run(target: list) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+CONFIG_USAGE = "usage: hf-onebit config --list | NAME [--write PATH]"
+
+
+def config_names() -> list[str]:
+    """The launch configs shipped with hf_onebit (``hf_onebit/integrations/configs/*.yaml``)."""
+    from importlib import resources
+
+    folder = resources.files("hf_onebit.integrations") / "configs"
+    return sorted(f.name[: -len(".yaml")] for f in folder.iterdir() if f.name.endswith(".yaml"))
+
+
+def config_text(name: str) -> str:
+    """The text of the shipped launch config ``name`` (``cpu_2proc``, ...)."""
+    from importlib import resources
+
+    names = config_names()
+    name = name[: -len(".yaml")] if name.endswith(".yaml") else name
+    if name not in names:
+        raise SystemExit(f"hf-onebit config: no config {name!r}; shipped: {', '.join(names)}")
+    return (resources.files("hf_onebit.integrations") / "configs" / f"{name}.yaml").read_text(encoding="utf-8")
+
+
+def config(argv: list) -> None:
+    """``hf-onebit config --list | NAME [--write PATH]``."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"{CONFIG_USAGE}\n\nshipped configs: {', '.join(config_names())}")
+        raise SystemExit(0 if argv else 2)
+    if argv == ["--list"]:
+        print("\n".join(config_names()))
+        return
+    name, rest = argv[0], argv[1:]
+    text = config_text(name)
+    if not rest:
+        sys.stdout.write(text)
+        return
+    if len(rest) != 2 or rest[0] != "--write":
+        raise SystemExit(CONFIG_USAGE)
+    path = rest[1]
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"hf-onebit config: wrote {path}; use it as: accelerate launch --config_file {path} -m hf_onebit.run"
+          " SCRIPT.py ...", file=sys.stderr)
+
+
 def main(argv=None) -> None:
-    """The ``hf-onebit`` console script."""
+    """The ``hf-onebit`` console script: ``run`` and ``config``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         raise SystemExit(0 if argv else 2)
+    if argv[0] == "config":
+        config(argv[1:])
+        return
     if argv[0] != "run":
         raise SystemExit(f"hf-onebit: unknown command {argv[0]!r}\n\n{USAGE}")
     run(argv[1:])

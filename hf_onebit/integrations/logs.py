@@ -11,6 +11,8 @@ key                      meaning (all counted for *this* rank, as :mod:`hf_onebi
                          divided by the bytes sent (``optimizer.onebit_stats()``'s ratio)
 ``onebit/ratio_vs_ddp``  bytes plain DDP would have sent (an fp32 all-reduce of every gradient at
                          every step) divided by the bytes sent; counts the steps 0/1 Adam skips
+``onebit/communication`` only on a single process: ``none (single process)``; the optimizer's
+                         phases still change its update rule, but nothing is sent or compressed
 ======================== ======================================================================
 
 Ratios are left out while nothing has been sent yet.
@@ -22,6 +24,8 @@ from hf_onebit.comm import CommRecord, allreduce_bytes
 from hf_onebit.optim import OneBitOptimizer
 
 PREFIX = "onebit/"
+#: ``onebit/communication`` on a single process, where the phases run but nothing is sent
+SINGLE_PROCESS = "none (single process)"
 
 
 class CompressionLog:
@@ -53,6 +57,8 @@ class CompressionLog:
         total = self.total()
         steps = opt.steps_done - self._last_steps
         out: dict = {f"{PREFIX}phase": self._phase or opt.phase()}
+        if opt.world_size == 1:
+            out[f"{PREFIX}communication"] = SINGLE_PROCESS
         if steps > 0:
             out[f"{PREFIX}bytes_per_step"] = (total.bytes_sent - self._last_sent) / steps
         out[f"{PREFIX}bytes_sent"] = total.bytes_sent
@@ -62,3 +68,24 @@ class CompressionLog:
             out[f"{PREFIX}ratio_vs_ddp"] = ddp / total.bytes_sent
         self._last_steps, self._last_sent = opt.steps_done, total.bytes_sent
         return out
+
+
+_announced: set[str] = set()
+
+
+def announce(message: str) -> bool:
+    """Print ``hf_onebit: message`` to stderr once per process, on rank 0 only (``RANK``/``LOCAL_RANK``).
+
+    For what must reach the user even before the script configured logging (argument parsing,
+    the start of training). Returns whether it printed.
+    """
+    import os
+    import sys
+
+    if message in _announced:
+        return False
+    _announced.add(message)
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) != "0":
+        return False
+    print(f"hf_onebit: {message}", file=sys.stderr, flush=True)
+    return True

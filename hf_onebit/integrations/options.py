@@ -24,9 +24,11 @@ lists what is accepted.
 from __future__ import annotations
 
 import inspect
+import types
 import typing
 from dataclasses import dataclass
 
+from hf_onebit.integrations.defaults import WARMUP_ALIASES, default_freeze_arguments
 from hf_onebit.optim import (
     BinSGDM,
     OneBitAdam,
@@ -69,6 +71,21 @@ FROM_TRAINING_ARGS = {
 }
 
 
+def optim_args_help() -> str:
+    """What ``--optim_args`` means for the hf_onebit optimizers (added to ``--help`` by the launcher)."""
+    keys = []
+    for spec in ONEBIT_OPTIMIZERS.values():
+        names = sorted(_settable(spec))
+        aliases = [f"{a} (= {own})" for a, own in WARMUP_ALIASES.get(spec.name, {}).items()]
+        keys.append(f"{spec.name}: {', '.join(names + aliases)}")
+    return (
+        "hf_onebit optimizers: constructor arguments as key=value,key=value (e.g. \"freeze_step=400\"); "
+        + "; ".join(keys)
+        + ". lr, betas, eps and weight_decay come from --learning_rate, --adam_beta1/--adam_beta2, --adam_epsilon"
+        " and --weight_decay. Checked when the arguments are parsed."
+    )
+
+
 def optim_name(value) -> str:
     """The plain string of an ``--optim`` value (a str or a str-valued enum member)."""
     return str(getattr(value, "value", value))
@@ -104,7 +121,19 @@ def _convert(spec: OptimizerSpec, key: str, text: str, kind) -> object:
     if type(None) in args:  # Optional[X]: "none" / "auto" mean None
         if lowered in ("none", "auto", "null"):
             return None
-        kind = next(a for a in args if a is not type(None))
+        args = tuple(a for a in args if a is not type(None))
+        kind = args[0] if len(args) == 1 else kind
+    if len(args) > 1 and typing.get_origin(kind) in (typing.Union, types.UnionType):  # int | str: first that fits
+        for member in args:
+            if member is str:
+                continue
+            try:
+                return _convert(spec, key, text, member)
+            except ValueError:
+                pass
+        if str in args:
+            return text
+        raise fail(f"one of {_type_name(kind)}")
     if kind is bool:
         if lowered in _TRUE:
             return True
@@ -149,11 +178,14 @@ def parse_optim_args(text: str | None) -> dict[str, str]:
     return out
 
 
-def optimizer_kwargs(name, args) -> tuple[type[OneBitOptimizer], dict]:
+def optimizer_kwargs(name, args, notes: list | None = None) -> tuple[type[OneBitOptimizer], dict]:
     """The class and constructor keyword arguments (without ``params``) for ``--optim name``.
 
     ``args`` is a ``TrainingArguments``; the hyperparameter flags of
-    :class:`~hf_onebit.OneBitTrainingArguments` are read if present.
+    :class:`~hf_onebit.OneBitTrainingArguments` are read if present. A common warmup name in
+    ``--optim_args`` (``freeze_step`` for ``zeroone_adam``: :data:`.defaults.WARMUP_ALIASES`) is
+    translated, with a line appended to ``notes``. Warmup arguments the user did not give come
+    from :func:`.defaults.default_freeze_arguments`.
     """
     name = optim_name(name)
     spec = ONEBIT_OPTIMIZERS.get(name)
@@ -176,7 +208,13 @@ def optimizer_kwargs(name, args) -> tuple[type[OneBitOptimizer], dict]:
             raise ValueError(f"--{flag} does not apply to --optim {name} ({spec.cls.__name__}); its flags: {own}")
         kwargs[flag] = value
 
+    aliases = WARMUP_ALIASES.get(name, {})
     for key, text in parse_optim_args(getattr(args, "optim_args", None)).items():
+        if key in aliases and key not in settable:
+            own = aliases[key]
+            if notes is not None:
+                notes.append(f"--optim_args {key}={text} means {own}={text} for --optim {name} ({spec.cls.__name__})")
+            key = own
         if key in FROM_TRAINING_ARGS and key in inspect.signature(spec.cls.__init__).parameters:
             raise ValueError(
                 f"--optim_args: {key} comes from the training arguments for --optim {name}: set it with"
@@ -192,17 +230,24 @@ def optimizer_kwargs(name, args) -> tuple[type[OneBitOptimizer], dict]:
             raise ValueError(f"--optim_args: {key} is also set by --{key}; give it once")
         kwargs[key] = _convert(spec, key, text, settable[key])
 
+    for key, value in default_freeze_arguments(name).items():
+        kwargs.setdefault(key, value)
     if spec.cls is BinSGDM and "seed" not in kwargs:
         kwargs["seed"] = int(getattr(args, "seed", 0)) % 2**64
     return spec.cls, kwargs
 
 
-def validate(name, args) -> None:
-    """Build the optimizer over a dummy parameter, so a bad value fails when the arguments are parsed."""
+def validate(name, args) -> list[str]:
+    """Build the optimizer over a dummy parameter, so a bad value fails when the arguments are parsed.
+
+    Returns the notes of :func:`optimizer_kwargs` (translated names) for the caller to print.
+    """
     import torch
 
-    cls, kwargs = optimizer_kwargs(name, args)
+    notes: list[str] = []
+    cls, kwargs = optimizer_kwargs(name, args, notes)
     cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    return notes
 
 
 def warmup_end(optimizer: OneBitOptimizer) -> int | None:

@@ -3,7 +3,7 @@
 A stock script (``HfArgumentParser(TrainingArguments)`` + ``Trainer``, e.g. transformers'
 ``run_glue.py``) cannot be told about hf_onebit, so the launcher (``python -m hf_onebit.run
 script.py ...`` / ``hf-onebit run script.py ...``) calls :func:`install` before running it.
-:func:`install` changes exactly three things, each needed and nothing else:
+:func:`install` changes exactly five things, each needed and nothing else:
 
 1. **``OptimizerNames`` gets four members** (``onebit_adam``, ``zeroone_adam``, ``onebit_lamb``,
    ``binsgdm``). ``HfArgumentParser`` builds the ``--optim`` choices from this enum and
@@ -18,8 +18,13 @@ script.py ...`` / ``hf-onebit run script.py ...``) calls :func:`install` before 
 3. **``Trainer.train``** is wrapped: when the trainer uses an hf_onebit optimizer it runs
    :func:`hf_onebit.integrations.trainer.before_train` (start-up refusals, loss-scaling fix,
    :class:`~hf_onebit.integrations.callbacks.OneBitCallback` which attaches the hook, saves and
-   restores per-rank state and logs), then the original ``train``. Trainers not using
-   hf_onebit run untouched.
+   restores per-rank state and logs), then the original ``train``. For every optimizer it
+   first applies :func:`~hf_onebit.integrations.trainer.fix_loss_kwargs`, so that losses logged
+   with ``--optim adamw_torch`` and with an hf_onebit optimizer compare.
+4. **``TrainingArguments.__post_init__``** is wrapped: for the four names it runs
+   :func:`on_parse` (the defaults of :mod:`hf_onebit.integrations.defaults` unless given, and the
+   optimizer built over a dummy parameter), so mistakes stop the script while it parses.
+5. The ``help`` of the ``optim`` and ``optim_args`` fields names our optimizers and their keys.
 
 Checked with transformers 5.23 (and accelerate 1.15). If an internal that this relies on is
 missing, :func:`install` raises :class:`PatchError` naming it; use
@@ -76,7 +81,7 @@ def _remove_enum_member(enum_cls: type, name: str, value: str) -> None:
 def _internals():
     """The transformers objects the patch touches; a clear error if one is missing."""
     try:
-        from transformers import Trainer
+        from transformers import Trainer, TrainingArguments
         from transformers.training_args import OptimizerNames
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
         raise PatchError(f"hf_onebit: cannot import transformers' Trainer ({exc})") from exc
@@ -90,20 +95,57 @@ def _internals():
         )
     if not callable(Trainer.__dict__.get("train")):
         raise PatchError(f"hf_onebit: transformers.Trainer.train is missing (patch checked with {CHECKED_WITH})")
-    return Trainer, OptimizerNames, raw
+    if not callable(TrainingArguments.__dict__.get("__post_init__")):
+        raise PatchError(
+            f"hf_onebit: transformers.TrainingArguments.__post_init__ is missing (patch checked with {CHECKED_WITH})"
+        )
+    fields = getattr(TrainingArguments, "__dataclass_fields__", {})
+    for name in ("optim", "optim_args"):
+        if name not in fields:
+            raise PatchError(f"hf_onebit: transformers.TrainingArguments has no {name!r} field (checked with {CHECKED_WITH})")
+    return Trainer, TrainingArguments, OptimizerNames, raw
+
+
+def _set_help(field, text: str) -> None:
+    """Replace a dataclass field's ``help`` (what ``HfArgumentParser`` shows in ``--help``)."""
+    import types
+
+    field.metadata = types.MappingProxyType({**field.metadata, "help": text})
+
+
+def on_parse(args) -> None:
+    """Run when a stock ``TrainingArguments`` with an hf_onebit ``--optim`` is built (parsed).
+
+    Refuses FSDP/DeepSpeed, applies the settings the optimizer needs unless the user gave them
+    (:func:`hf_onebit.integrations.defaults.apply_launcher_defaults`), and builds the optimizer over a
+    dummy parameter so that a bad ``--optim_args`` fails now, before the model and data load.
+    Prints what it changed or translated (rank 0, once).
+    """
+    from hf_onebit.integrations.defaults import apply_launcher_defaults
+    from hf_onebit.integrations.logs import announce
+    from hf_onebit.integrations.options import optim_name, validate
+    from hf_onebit.integrations.trainer import refuse_arguments
+
+    name = optim_name(args.optim)
+    refuse_arguments(args)
+    changes = apply_launcher_defaults(name, args)
+    notes = validate(name, args)
+    for message in [*changes, *notes]:
+        announce(message)
 
 
 def install() -> None:
     """Teach stock ``TrainingArguments`` / ``Trainer`` the hf_onebit optimizers (idempotent)."""
     if _state:
         return
-    Trainer, OptimizerNames, raw_get = _internals()
+    Trainer, TrainingArguments, OptimizerNames, raw_get = _internals()
     from hf_onebit.integrations.options import (
         ONEBIT_OPTIMIZERS,
+        optim_args_help,
         is_onebit_name,
         optimizer_kwargs,
     )
-    from hf_onebit.integrations.trainer import before_train
+    from hf_onebit.integrations.trainer import before_train, fix_loss_kwargs
 
     added = []
     for value in ONEBIT_OPTIMIZERS:  # 1. the --optim names
@@ -125,11 +167,30 @@ def install() -> None:
 
     @functools.wraps(original_train)
     def train(self, *args, **kwargs):
+        # Every optimizer, not only hf_onebit's, so that logged losses compare across --optim values
+        fix_loss_kwargs(self)
         before_train(self, args, kwargs)
         return original_train(self, *args, **kwargs)
 
     Trainer.train = train
-    _state.update(trainer=Trainer, enum=OptimizerNames, added=added, get=raw_get, train=original_train)
+
+    original_post_init = TrainingArguments.__dict__["__post_init__"]  # 4. checks when the arguments are parsed
+
+    @functools.wraps(original_post_init)
+    def __post_init__(self, *args, **kwargs):
+        original_post_init(self, *args, **kwargs)
+        if is_onebit_name(getattr(self, "optim", None)):
+            on_parse(self)
+
+    TrainingArguments.__post_init__ = __post_init__
+
+    fields = TrainingArguments.__dataclass_fields__  # 5. --help names our optimizers and their --optim_args
+    helps = {name: fields[name].metadata for name in ("optim", "optim_args")}
+    _set_help(fields["optim"], f"{fields['optim'].metadata.get('help', 'The optimizer to use.')} hf_onebit (through"
+              f" hf_onebit.run): {', '.join(ONEBIT_OPTIMIZERS)}.")
+    _set_help(fields["optim_args"], f"{fields['optim_args'].metadata.get('help', '')} {optim_args_help()}".strip())
+    _state.update(trainer=Trainer, enum=OptimizerNames, added=added, get=raw_get, train=original_train,
+                  arguments=TrainingArguments, post_init=original_post_init, helps=helps)
     logger.debug("hf_onebit: transformers patched for --optim %s", ", ".join(ONEBIT_OPTIMIZERS))
 
 
@@ -140,6 +201,9 @@ def uninstall() -> None:
     Trainer, OptimizerNames = _state["trainer"], _state["enum"]
     Trainer.get_optimizer_cls_and_kwargs = _state["get"]
     Trainer.train = _state["train"]
+    _state["arguments"].__post_init__ = _state["post_init"]
+    for name, metadata in _state["helps"].items():
+        _state["arguments"].__dataclass_fields__[name].metadata = metadata
     for value in _state["added"]:
         _remove_enum_member(OptimizerNames, value.upper(), value)
     _state.clear()

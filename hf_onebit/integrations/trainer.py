@@ -44,10 +44,12 @@ from hf_onebit.integrations.options import (
     ALL_FLAGS,
     ONEBIT_OPTIMIZERS,
     is_onebit_name,
+    optim_args_help,
     optim_name,
     optimizer_kwargs,
     validate,
 )
+from hf_onebit.integrations.logs import announce
 from hf_onebit.optim import OneBitOptimizer
 
 logger = logging.getLogger("hf_onebit")
@@ -91,6 +93,7 @@ class OneBitTrainingArguments(TrainingArguments):
             " transformers OptimizerNames value (adamw_torch, ...)."
         },
     )
+    optim_args: str | None = field(default=None, metadata={"help": optim_args_help()})
     freeze_step: int | None = field(
         default=None,
         metadata={
@@ -126,7 +129,8 @@ class OneBitTrainingArguments(TrainingArguments):
                 super().__post_init__()
             finally:
                 self.optim = name
-            validate(name, self)  # fail now, not at the first step, on a bad hyperparameter
+            for note in validate(name, self):  # fail now, not at the first step, on a bad hyperparameter
+                announce(note)
             return
         try:
             OptimizerNames(name)
@@ -313,8 +317,27 @@ def resolve_resume(trainer, train_args: tuple, train_kwargs: dict) -> str | None
     return str(resume)
 
 
+def note_precision(trainer) -> bool:
+    """Say once that ``--fp16`` runs in fp32 where Accelerate has no fp16 autocast (CPU). Returns whether it did.
+
+    Accelerate (checked: 1.15) accepts ``mixed_precision="fp16"`` on CPU but then uses neither
+    autocast nor a ``GradScaler`` (``accelerator.native_amp`` is False): the run is fp32.
+    """
+    accelerator = getattr(trainer, "accelerator", None)
+    if not getattr(trainer.args, "fp16", False) or accelerator is None:
+        return False
+    if getattr(accelerator, "native_amp", True) or getattr(accelerator, "scaler", None) is not None:
+        return False
+    device = getattr(getattr(accelerator, "device", None), "type", "?")
+    return announce(
+        f"--fp16 on {device}: Accelerate runs this in fp32 (no fp16 autocast or loss scaling on {device}). For mixed"
+        " precision on CPU use --bf16 (with --use_cpu)."
+    )
+
+
 def before_train(trainer, train_args: tuple = (), train_kwargs: dict | None = None) -> None:
     """Called at the start of ``train()``: enable hf_onebit and remember the checkpoint to resume."""
+    note_precision(trainer)
     cb = enable(trainer)
     if cb is not None:
         check_accelerator(trainer.accelerator)

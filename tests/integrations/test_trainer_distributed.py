@@ -88,6 +88,19 @@ def test_two_processes_train_log_and_resume_bitwise(tmp_path, name):
     # DDP's first iteration after the resume has a single bucket: a few bytes of flags and padding differ)
     logs_b = {h["step"]: h for h in b[0]["log_history"] if "loss" in h}
     assert logs_b[24]["onebit/bytes_sent"] == pytest.approx(logs[-1]["onebit/bytes_sent"], rel=1e-3)
+    if name == "binsgdm":
+        # Exactly why: each rank sends, per bucket, a 4-byte flag and its votes padded to whole bytes
+        # ((n-1)·(4 + ceil(N/8)) with N padded to 8). The resumed run's step 13 is its DDP's first iteration,
+        # which has one bucket; the uninterrupted run's step 13 has the 3 rebuilt buckets: two flags more.
+        def framed(result, step):
+            return sum(4 + -(-numel // 8) for s, numel in result["bucket_numels"] if s == step)
+
+        for rank in range(2):
+            assert [s for s, _ in b[rank]["bucket_numels"]].count(13) == 1
+        expected = framed(a[0], 13) - framed(b[0], 13)
+        assert expected == 8  # the 8 bytes of the issue: 3 flags against 1, the padding is the same
+        assert logs[-1]["onebit/bytes_sent"] - logs_b[24]["onebit/bytes_sent"] == expected
+        assert all(framed(a[0], s) == framed(b[0], s) for s in range(14, 25))  # later steps: the same buckets
 
     # gradient accumulation: no_sync on the first micro-batch, so the hook runs once per bucket per step
     calls = Counter(step for step, _ in a[0]["calls"])

@@ -61,6 +61,7 @@ class Recorder(TrainerCallback):
 
     def __init__(self):
         self.calls = []
+        self.numels = []  # (step, elements in the bucket)
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         opt = unwrap_optimizer(optimizer)
@@ -70,6 +71,7 @@ class Recorder(TrainerCallback):
 
         def counting(params, buffer, grads):
             self.calls.append((opt.steps_done + 1, len(params)))
+            self.numels.append((opt.steps_done + 1, sum(p.numel() for p in params)))
             return original(params, buffer, grads)
 
         opt.reduce_bucket = counting
@@ -122,6 +124,7 @@ def main():
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
         "log_history": trainer.state.log_history,
         "calls": recorder.calls,
+        "bucket_numels": recorder.numels,
         "model_accepts_loss_kwargs": trainer.model_accepts_loss_kwargs,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
     }
