@@ -76,12 +76,13 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         freeze_step: int | str | AutoFreeze = 100000,
         bias_correction: bool = True,
         auto_mask: bool = True,
+        scale_per_tensor: bool = False,
     ) -> None:
         check_common(lr, eps, weight_decay)
         check_betas(betas)
         self.init_freeze(freeze_step, "freeze_step")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor)
         self.auto_mask = auto_mask
         if not bias_correction:
             self.warn_uncorrected_variance(betas[1])

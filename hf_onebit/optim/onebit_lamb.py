@@ -151,6 +151,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
         auto_mask: bool = True,
+        scale_per_tensor: bool = False,
     ) -> None:
         self.init_freeze(freeze_step, "freeze_step")
         defaults = dict(
@@ -159,7 +160,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
         )
         _check_lamb_group(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor)
         self.auto_mask = auto_mask
 
     def add_param_group(self, param_group: dict) -> None:

@@ -145,6 +145,7 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         local_step_clipper: int = 16,
         auto_mask: bool = True,
         bias_correction: bool = True,
+        scale_per_tensor: bool = False,
     ) -> None:
         check_common(lr, eps, weight_decay)
         check_betas(betas)
@@ -153,7 +154,7 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         check_positive_int(local_step_scaler, "local_step_scaler")
         check_positive_int(local_step_clipper, "local_step_clipper")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor)
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper

@@ -12,16 +12,6 @@ from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
 from tests.simulation import OneBitAdamSimulation
 
-from hf_onebit import OneBitAdam
-
-
-class OneBitAdamPerTensor(OneBitAdam):
-    """1-bit Adam with the base class's ``scale_per_tensor`` switched on (the subclasses'
-    constructors do not expose it yet)."""
-
-    def __init__(self, params, **kwargs):
-        super().__init__(params, **kwargs)
-        self.scale_per_tensor = True
 
 
 def _averaged(step, world_size):
@@ -51,9 +41,8 @@ def test_warmup_equals_adamw_on_the_averaged_gradient(world_size):
 def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_correction, per_tensor=False):
     steps, freeze = 16, 6
     kwargs = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, freeze_step=freeze,
-                  bias_correction=bias_correction)
-    name = f"{__name__}:OneBitAdamPerTensor" if per_tensor else "OneBitAdam"
-    outs = run_distributed(partial(train, tiny_grads=True), world_size, name, kwargs, steps)
+                  bias_correction=bias_correction, scale_per_tensor=per_tensor)
+    outs = run_distributed(partial(train, tiny_grads=True), world_size, "OneBitAdam", kwargs, steps)
     segments = outs[0]["segments"]
     assert len(segments) > 1, "the test wants several DDP buckets"
     torch.manual_seed(0)
