@@ -71,6 +71,11 @@ class OneBitCallback(TrainerCallback):
                 " parameters): every step shrinks by that factor. BinSGDM bounds each step by the learning rate"
                 " already; pass --max_grad_norm 0.", args.max_grad_norm,
             )
+        auto = getattr(opt, "auto_freeze", None)
+        if auto is not None and auto.chosen is None and state.max_steps > 0 and auto.fit_to_run(state.max_steps):
+            if state.is_world_process_zero:
+                logger.warning("hf_onebit %s: %s for a run of %d steps", type(opt).__name__, auto.describe(),
+                               state.max_steps)
         end = warmup_end(opt)
         if end is not None and end >= state.max_steps > 0 and state.is_world_process_zero:
             # name the option this script accepts: OneBitTrainingArguments has --freeze_step, stock ones do not

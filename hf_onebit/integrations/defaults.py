@@ -16,7 +16,8 @@ table              what it says
                    Adam means ``var_freeze_step``)
 =================  =====================================================================
 
-:func:`default_freeze_arguments` decides the warmup length used when the user gives none.
+:func:`default_freeze_arguments` decides the warmup's end (automatic) and the compression scales
+(per tensor) used when the user gives none.
 
 A value counts as *given* when its flag is on the command line (``--max_grad_norm 1``,
 ``--max-grad-norm=1``, an unambiguous prefix as argparse accepts it) or a key of the JSON/YAML
@@ -61,13 +62,19 @@ WARMUP_ALIASES = {"zeroone_adam": {"freeze_step": "var_freeze_step"}}
 
 
 def default_freeze_arguments(optim: str) -> dict:
-    """The warmup arguments the HF integration passes when the user gives none (``{}``: none).
+    """The constructor arguments the HF integration passes unless the user gives them.
 
-    Today: none, so the optimizer's own default applies (``freeze_step=100000``: no compression on
-    a short run; the callback warns when the warmup covers the whole run). The one place to change
-    it, e.g. to ``{FREEZE_ARGUMENT[optim]: "auto"}`` once the optimizers accept ``"auto"``.
+    * the warmup's end: ``"auto"`` (:class:`~hf_onebit.optim.freeze.AutoFreeze`; the callback fits
+      its bounds to the run's length when training starts, see
+      :func:`hf_onebit.optim.freeze.AutoFreeze.for_run`): nobody can be expected to find the
+      freeze step by trial and error, and a fixed default (the optimizers' ``100000``) is either
+      longer than a fine-tuning run or too early for it;
+    * ``scale_per_tensor=True`` for the optimizers that compress with error feedback: one scale
+      per parameter tensor, so small-gradient tensors are not rebuilt at their bucket's scale.
     """
-    return {}
+    if optim not in FREEZE_ARGUMENT:
+        return {}
+    return {FREEZE_ARGUMENT[optim]: "auto", "scale_per_tensor": True}
 
 
 # --------------------------------------------------------------------------- what the user gave

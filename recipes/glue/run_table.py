@@ -29,12 +29,12 @@ CONFIG = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
 COMMON = ["--seed", "42", "--per_device_train_batch_size", "16", "--logging_steps", "40"]
 
 #: method -> its own arguments (LAMB with a larger learning rate, BinSGDM without gradient clipping).
-#: The recipe sets freeze_step / var_freeze_step when they are not given (run_glue.default_freeze_step:
-#: 96 of the quick budget's 240 steps).
+#: Unless given, freeze_step / var_freeze_step are automatic (the HF integration's default: when the
+#: variance has settled, within 10-40% of the run) and 1-bit compression has one scale per tensor.
 METHODS = {
     "adamw": ["--optim", "adamw_torch", "--learning_rate", "1e-4"],
     "onebit_adam": ["--optim", "onebit_adam", "--learning_rate", "1e-4"],
-    # the recipe turns on 0/1 Adam's bias correction, so beta2 keeps Adam's 0.999 (docs/results.md)
+    # 0/1 Adam's variance is bias-corrected by default, so beta2 keeps Adam's 0.999 (docs/results.md)
     "zeroone_adam": ["--optim", "zeroone_adam", "--learning_rate", "1e-4"],
     "onebit_lamb": ["--optim", "onebit_lamb", "--learning_rate", "1e-3"],
     # 3e-5 reached 78.9%, 1e-4 83.1% (docs/results.md): the same lr as Adam's
@@ -81,10 +81,11 @@ def table(reports: list[dict]) -> str:
     for r in reports:
         t, w, ev = r["table"], r["wire"], r["eval"]["validation"]
         hp = [f"lr {r['learning_rate']:g}"]
+        auto = " (auto)" if r.get("freeze_rule") not in (None, "fixed") else ""
         if r.get("freeze_step"):
-            hp.append(f"freeze_step {r['freeze_step']}")
+            hp.append(f"freeze_step {r['freeze_step']}{auto}")
         if r.get("var_freeze_step"):
-            hp.append(f"var_freeze_step {r['var_freeze_step']}")
+            hp.append(f"var_freeze_step {r['var_freeze_step']}{auto}")
         if r["optim"] in ("zeroone_adam", "onebit_adam", "onebit_lamb", "adamw_torch"):
             hp.append(f"β2 {r['adam_beta2']:g}")
         hp.append(f"max_grad_norm {r['max_grad_norm']:g}")

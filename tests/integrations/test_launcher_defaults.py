@@ -77,7 +77,7 @@ def test_a_json_arguments_file_counts_as_given(patched, monkeypatch, tmp_path):
 @pytest.mark.parametrize("optim_args, message", [
     ("freeze_step=-1", r"freeze_step must be an integer >= 0"),
     ("freez_step=8", r"unknown key 'freez_step' for --optim onebit_adam.*valid keys: auto_mask, bias_correction"),
-    ("freeze_step=ten", r"freeze_step='ten' is not an integer"),
+    ("freeze_step=ten", r"freeze_step must be an integer >= 0 or 'auto', got 'ten'"),
     ("lr=3", r"lr comes from the training arguments.*--learning_rate"),
 ])
 def test_optim_args_mistakes_fail_when_the_arguments_are_parsed(patched, monkeypatch, optim_args, message):
@@ -113,7 +113,9 @@ def test_default_freeze_arguments_is_the_one_place_the_warmup_default_is_decided
     class Args:
         learning_rate, adam_epsilon, weight_decay, adam_beta1, adam_beta2, optim_args = 1e-3, 1e-8, 0.0, 0.9, 0.999, ""
 
-    assert defaults.default_freeze_arguments("onebit_adam") == {}  # today: the optimizer's own default
+    assert defaults.default_freeze_arguments("onebit_adam") == {"freeze_step": "auto", "scale_per_tensor": True}
+    assert defaults.default_freeze_arguments("zeroone_adam") == {"var_freeze_step": "auto", "scale_per_tensor": True}
+    assert defaults.default_freeze_arguments("binsgdm") == {}
     monkeypatch.setattr(options, "default_freeze_arguments", lambda name: {"freeze_step": 7})
     assert options.optimizer_kwargs("onebit_adam", Args())[1]["freeze_step"] == 7
     Args.optim_args = "freeze_step=3"

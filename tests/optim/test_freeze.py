@@ -145,9 +145,13 @@ def test_auto_freeze_validation(bad, match):
 
 def test_for_run_bounds():
     rule = AutoFreeze.for_run(1080)
-    assert (rule.min_step, rule.max_step) == (108, 270)
+    assert (rule.min_step, rule.max_step, rule.window) == (108, 432, 43)
     rule = AutoFreeze.for_run(3)
     assert 1 <= rule.min_step <= rule.max_step <= 3
+    plain = AutoFreeze()
+    assert plain.fit_to_run(240) and (plain.min_step, plain.max_step, plain.window) == (24, 96, 10)
+    chosen_bounds = AutoFreeze(min_step=5, window=3)
+    assert not chosen_bounds.fit_to_run(240) and chosen_bounds.max_step is None  # the user's bounds stay
 
 
 def test_one_instance_configures_several_optimizers_independently():

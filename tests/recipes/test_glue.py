@@ -224,7 +224,12 @@ def test_embedded_task_two_processes_onebit_adam(tmp_path, tiny_model):
         assert len(found) == 1, f"{start!r} not printed once (rank 0 only):\n{res.output[-3000:]}"
     r = report_of(out)
     assert r["max_grad_norm"] == 0.0  # the recipe turns clipping off for 1-bit Adam when not given
-    assert r["world_size"] == 2 and r["steps"] == 6 and r["freeze_step"] == 2  # 40% of a short run
+    assert r["world_size"] == 2 and r["steps"] == 6
+    # the integration's automatic freeze, fitted to 6 steps: within [10%, 40%] of the run = steps 1..2
+    assert "auto freeze chose step" in r["freeze_rule"] and r["freeze_step"] in (1, 2)
+    assert r["scale_per_tensor"] is True
+    assert [x for x in lines if x.startswith("warmup ended after step")] == [
+        f"warmup ended after step       {r['freeze_step']}  (automatic freeze)"]
     ev = r["eval"]["validation"]
     assert 0.0 <= ev["accuracy"] <= 1.0 and ev["samples"] == 48 and ev["loss"] > 0
     w = r["wire"]
@@ -293,8 +298,9 @@ def test_cola_csv_string_labels_one_process(tmp_path, tiny_model, offline):
                         tmp_path / "train.csv", "--validation_file", tmp_path / "dev.csv", "--optim", "zeroone_adam",
                         "--max_steps", "2", "--output_dir", tmp_path / "out", "--use_cpu"])
     assert set(r["eval"]["validation"]) == {"matthews_correlation", "loss", "samples"}
-    assert r["optim_args"] == "bias_correction=True"  # the recipe's default for 0/1 Adam
-    assert r["var_freeze_step"] == 1 and r["freeze_step"] is None  # 40% of 2 steps, rounded, at least 1
+    assert r["optim_args"] is None  # 0/1 Adam's variance is bias-corrected by default now
+    # the automatic freeze fitted to 2 steps: [10%, 40%] rounded, at least 1
+    assert r["var_freeze_step"] == 1 and r["freeze_step"] is None and "auto freeze chose step 1" in r["freeze_rule"]
 
 
 def test_hub_task_offline_fails_clearly(tmp_path, offline):
