@@ -2,7 +2,8 @@
 
 The simulation below is written from the spec's text alone (it shares no code with
 ``hf_onebit``; the compressor is :class:`tests.simulation.SpecSimulation`, one per compression
-segment the run used). Several configurations share one process launch to keep the file fast.
+segment the run used, or :class:`tests.simulation.PieceSpecSimulation` with ``scale_per_tensor``).
+Several configurations share one process launch to keep the file fast.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
-from tests.simulation import SpecSimulation, keep_mask
+from tests.simulation import PieceSpecSimulation, SpecSimulation, keep_mask
 
 OPT = "hf_onebit.optim.onebit_lamb:OneBitLamb"
 
@@ -30,11 +31,14 @@ class OneBitLambSimulation:
 
     ``binds`` counts how often each clip changed its input, so tests can check that a clip was
     really exercised. ``use_scaling=False`` drops the momentum scaling (a sensitivity check).
+    ``scale_per_tensor``: one compression scale per tensor piece (the segment's tensor sizes, in
+    segment order) instead of one per chunk.
     """
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  freeze_step=100000, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
-                 factor_min=0.5, factor_threshold=0.1, auto_mask=True, use_scaling=True):
+                 factor_min=0.5, factor_threshold=0.1, auto_mask=True, use_scaling=True,
+                 scale_per_tensor=False):
         self.p = [np.array(x, np.float32) for x in params]
         K = len(self.p)
         self.m = [np.zeros_like(x) for x in self.p]
@@ -46,7 +50,11 @@ class OneBitLambSimulation:
         self.mask = None
         self.seen = [np.zeros(x.shape, bool) for x in self.p]
         self.n, self.segments = n, [list(s) for s in segments]
-        self.comm = {tuple(s): SpecSimulation(sum(self.p[i].size for i in s), n) for s in self.segments}
+        if scale_per_tensor:
+            self.comm = {tuple(s): PieceSpecSimulation(sum(self.p[i].size for i in s), n, [self.p[i].size for i in s])
+                         for s in self.segments}
+        else:
+            self.comm = {tuple(s): SpecSimulation(sum(self.p[i].size for i in s), n) for s in self.segments}
         self.lr, self.b1, self.b2, self.eps, self.wd = lr, np.float32(betas[0]), np.float32(betas[1]), eps, weight_decay
         self.F, self.t = freeze_step, 0
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
@@ -94,7 +102,8 @@ class OneBitLambSimulation:
         for seg in self.segments:
             local = [np.concatenate([((b1 * self.m[k] + (1 - b1) * grads[r][k]) * self.scaling[k]).ravel()
                                      for k in seg]).astype(np.float32) for r in range(self.n)]
-            avg = local[0] if self.n == 1 else self.comm[tuple(seg)].step(local)[0]
+            avg = local[0] if self.n == 1 else self.comm[tuple(seg)].step(local)
+            avg = avg[0] if isinstance(avg, tuple) else avg  # SpecSimulation also returns the packed signs
             off = 0
             for k in seg:
                 size = self.p[k].size
@@ -167,15 +176,21 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_trajectory_matches_spec_simulation_through_the_freeze(world_size):
-    jobs = [(kwargs, steps, {}) for _, kwargs, steps in CONFIGS]
+def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, per_tensor=False):
+    jobs = [(dict(kwargs, scale_per_tensor=per_tensor), steps, {}) for _, kwargs, steps in CONFIGS]
     outs = run_distributed(_train_many, world_size, jobs)
     for c, (name, kwargs, steps) in enumerate(CONFIGS):
         runs = [outs[r][c] for r in range(world_size)]
         segments = runs[0]["segments"]
         assert any(len(s) > 1 for s in segments), "the test wants a segment holding several tensors"
         assert len(segments) > 1, "the test wants several DDP buckets"
-        sim, expected = _simulate(world_size, segments, kwargs, steps)
+        sim, expected = _simulate(world_size, segments, kwargs, steps, scale_per_tensor=per_tensor)
+        if per_tensor:
+            # the option is not silently ignored: the run is far from the per-chunk simulation
+            _, per_chunk = _simulate(world_size, segments, kwargs, steps)
+            last = runs[0]["history"][-1]
+            assert any(not np.allclose(last[k].numpy(), per_chunk[-1][k], rtol=1e-5, atol=1e-5 * np.abs(per_chunk[-1][k]).max())
+                       for k in range(len(last))), f"{name}: scale_per_tensor=True ran like the per-chunk scales"
         for step in range(steps):
             for r in range(world_size):
                 for k, (got, want) in enumerate(zip(runs[r]["history"][step], expected[step])):
@@ -191,7 +206,7 @@ def test_trajectory_matches_spec_simulation_through_the_freeze(world_size):
         assert stats["last_step_rounds"] == 3 * len(segments)
         assert stats["compression_ratio"] > 1
         # the momentum scaling matters here: without it the trajectory would differ
-        _, unscaled = _simulate(world_size, segments, kwargs, steps, use_scaling=False)
+        _, unscaled = _simulate(world_size, segments, kwargs, steps, use_scaling=False, scale_per_tensor=per_tensor)
         assert not np.allclose(unscaled[-1][1], expected[-1][1], rtol=1e-4, atol=1e-4 * np.abs(expected[-1][1]).max())
         # the clips were exercised (so this test cannot pass vacuously)
         if name == "threshold":
@@ -199,6 +214,11 @@ def test_trajectory_matches_spec_simulation_through_the_freeze(world_size):
         else:
             assert sim.binds["factor_max"] > 0 and sim.binds["factor_min"] > 0, sim.binds
             assert sim.binds["coeff_max"] > 0 and sim.binds["coeff_min"] > 0, sim.binds
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_scale_per_tensor_trajectory_matches_piece_simulation(world_size):
+    test_trajectory_matches_spec_simulation_through_the_freeze(world_size, per_tensor=True)
 
 
 def test_resume_from_the_compression_phase_continues_bitwise(tmp_path):

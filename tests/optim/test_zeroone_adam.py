@@ -15,7 +15,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
-from tests.simulation import SpecSimulation, keep_mask
+from tests.simulation import PieceSpecSimulation, SpecSimulation, keep_mask
 
 OPT = "hf_onebit.optim.zeroone_adam:ZeroOneAdam"
 # eps=1e-4: parameter 1's zero-gradient rows have v = 0, so the 1-bit noise moves them by
@@ -41,12 +41,14 @@ class ZeroOneAdamSimulation:
     """``n`` ranks of 0/1 Adam, written from spec §3 alone; one compressed buffer per segment.
 
     ``segments`` are lists of parameter indices (concatenated in that order); the same buffers
-    (and error feedback) serve the 1-bit gradient steps and the syncs.
+    (and error feedback) serve the 1-bit gradient steps and the syncs. ``scale_per_tensor``: one
+    compression scale per tensor piece (the segment's tensor sizes, in segment order) instead of
+    one per chunk.
     """
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
-                 auto_mask=True, bias_correction=False):
+                 auto_mask=True, bias_correction=False, scale_per_tensor=False):
         self.n = n
         # hf_onebit's deviation (auto_mask): coordinates never non-zero on a variance step, or with
         # sqrt(v) < eps/100, keep zero momentum and zero synced update from the first compressing step
@@ -61,7 +63,13 @@ class ZeroOneAdamSimulation:
         self.segments = [list(s) for s in segments]
         assert sorted(k for s in self.segments for k in s) == list(range(len(self.v))), "segments must cover all"
         # spec §1: with n == 1 the compressed all-reduce returns its input
-        self.comm = [SpecSimulation(sum(self.v[k].size for k in s), n) for s in self.segments] if n > 1 else []
+        if n == 1:
+            self.comm = []
+        elif scale_per_tensor:
+            self.comm = [PieceSpecSimulation(sum(self.v[k].size for k in s), n, [self.v[k].size for k in s])
+                         for s in self.segments]
+        else:
+            self.comm = [SpecSimulation(sum(self.v[k].size for k in s), n) for s in self.segments]
         self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, weight_decay
         self.F, self.vus, self.lss, self.lsc = var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
         self.t, self.var_interval, self.var_counter, self.local_interval, self.local_counter = 0, 1, 0, 1, 0
@@ -85,7 +93,8 @@ class ZeroOneAdamSimulation:
         out = [None] * len(self.v)
         for seg, comm in zip(self.segments, self.comm):
             flat = [np.concatenate([xs[r][k].ravel() for k in seg]).astype(np.float32) for r in range(self.n)]
-            avg, _ = comm.step(flat)
+            avg = comm.step(flat)
+            avg = avg[0] if isinstance(avg, tuple) else avg  # SpecSimulation also returns the packed signs
             off = 0
             for k in seg:
                 size = self.v[k].size
@@ -189,10 +198,12 @@ EARLY_KWARGS = dict(KWARGS, var_freeze_step=2, var_update_scaler=16, auto_mask=F
 EARLY_STEPS = 12
 
 
-def _two_configurations(rank, world_size, save_dir):
+def _two_configurations(rank, world_size, save_dir, per_tensor=False):
     """One process start-up for both configurations (start-up dominates the run time)."""
-    main = train(rank, world_size, OPT, KWARGS, STEPS, save_dir, SAVE_AT if save_dir else None, None, 0.01, 0, True)
-    early = train(rank, world_size, OPT, EARLY_KWARGS, EARLY_STEPS, record_steps=True)
+    main = train(rank, world_size, OPT, dict(KWARGS, scale_per_tensor=per_tensor), STEPS, save_dir,
+                 SAVE_AT if save_dir else None, None, 0.01, 0, True)
+    early = train(rank, world_size, OPT, dict(EARLY_KWARGS, scale_per_tensor=per_tensor), EARLY_STEPS,
+                  record_steps=True)
     return {"main": main, "early": early}
 
 
@@ -229,14 +240,28 @@ def _check_against_simulation(outs, kwargs, steps, world_size) -> list[str]:
     return sim.kinds
 
 
+def _assert_not_per_chunk(outs, kwargs, steps, world_size) -> None:
+    """The per-tensor run ends far from the per-chunk simulation (the option is not ignored)."""
+    segments = outs[0]["segments"]
+    sim = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], world_size, segments,
+                                **dict(kwargs, scale_per_tensor=False))
+    for step in range(1, steps + 1):
+        expected = sim.step(_grads(step, world_size))
+    last = outs[0]["history"][-1]
+    assert any(not np.allclose(g.numpy(), w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+               for g, w in zip(last, expected[0])), "scale_per_tensor=True ran like the per-chunk scales"
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_every_phase_matches_the_spec(world_size, tmp_path):
+def test_every_phase_matches_the_spec(world_size, tmp_path, per_tensor=False):
     resume = world_size == 2  # the resume path does not depend on the world size: save a start-up
-    outs = run_distributed(_two_configurations, world_size, str(tmp_path) if resume else None)
+    outs = run_distributed(_two_configurations, world_size, str(tmp_path) if resume else None, per_tensor)
+    kwargs = dict(KWARGS, scale_per_tensor=per_tensor)
+    early_kwargs = dict(EARLY_KWARGS, scale_per_tensor=per_tensor)
 
     main = [o["main"] for o in outs]
     assert len(main[0]["segments"]) > 1, "the test wants several DDP buckets"
-    assert _check_against_simulation(main, KWARGS, STEPS, world_size) == SCHEDULE
+    assert _check_against_simulation(main, kwargs, STEPS, world_size) == SCHEDULE
     local_phase = main[0]["steps"][KWARGS["var_freeze_step"]:]
     communicating = [rec for rec in local_phase if rec["rounds"]]
     assert len(communicating) == SCHEDULE.count(S) < len(local_phase)
@@ -246,13 +271,16 @@ def test_every_phase_matches_the_spec(world_size, tmp_path):
 
     early = [o["early"] for o in outs]
     assert early[0]["segments"] == [tuple(range(len(_initial_params())))]
-    kinds = _check_against_simulation(early, EARLY_KWARGS, EARLY_STEPS, world_size)
+    kinds = _check_against_simulation(early, early_kwargs, EARLY_STEPS, world_size)
     assert kinds[:3] == [A, A, S] and L in kinds
+    if per_tensor:
+        _assert_not_per_chunk(main, KWARGS, STEPS, world_size)
+        _assert_not_per_chunk(early, EARLY_KWARGS, EARLY_STEPS, world_size)
 
     if not resume:
         return
     # resume from the checkpoint taken after step SAVE_AT (between two syncs), in new processes
-    resumed = run_distributed(train, world_size, OPT, KWARGS, STEPS - SAVE_AT, None, None, str(tmp_path), 0.01,
+    resumed = run_distributed(train, world_size, OPT, kwargs, STEPS - SAVE_AT, None, None, str(tmp_path), 0.01,
                               SAVE_AT, True)
     for r in range(world_size):
         for k, params in enumerate(resumed[r]["history"]):
@@ -264,6 +292,12 @@ def test_every_phase_matches_the_spec(world_size, tmp_path):
     rstats, fstats = resumed[0]["stats"], main[0]["stats"]
     assert (rstats["rounds"], rstats["bytes_sent"]) == (fstats["rounds"], fstats["bytes_sent"])
     assert SCHEDULE[SAVE_AT:].count(S) < STEPS - SAVE_AT
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_scale_per_tensor_every_phase_matches_the_piece_simulation(world_size, tmp_path):
+    # KWARGS keep bias_correction=False (the spec's arithmetic); EARLY_KWARGS keep their True
+    test_every_phase_matches_the_spec(world_size, tmp_path, per_tensor=True)
 
 
 # ---------------------------------------------------------------- one process (no DDP)
