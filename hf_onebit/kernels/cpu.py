@@ -669,13 +669,7 @@ def server_pack(
     if bounds is not None:
         _server_pack_with_pieces(bits, scales, server_error, scale, bits_out, bounds)
         return
-    bn = _bits_view(bits)
-    e = _inplace_view("server_error", server_error, torch.float32)
-    b = _inplace_view("bits_out", bits_out, torch.uint8)
-    if e.size != 8 * bn.shape[1] or b.size != bn.shape[1]:
-        raise ValueError(
-            f"server_error ({e.size}) and bits_out ({b.size}) must match bits rows ({bn.shape[1]} bytes)"
-        )
+    bn, e, b = _server_pack_views(bits, server_error, bits_out)
     scale = torch.as_tensor(scale).detach()
     if scale.numel() != 1:
         raise ValueError(f"scale must hold one value, got {scale.numel()}")
@@ -684,7 +678,8 @@ def server_pack(
     _server_pack(bn, _scales_f32(scales, bn.shape[0]), e, t, update, b)
 
 
-def _server_pack_with_pieces(bits, scales, server_error, scale, bits_out, bounds) -> None:
+def _server_pack_views(bits, server_error, bits_out):
+    """The numpy views :func:`server_pack` works on, checked against each other."""
     bn = _bits_view(bits)
     e = _inplace_view("server_error", server_error, torch.float32)
     b = _inplace_view("bits_out", bits_out, torch.uint8)
@@ -692,6 +687,11 @@ def _server_pack_with_pieces(bits, scales, server_error, scale, bits_out, bounds
         raise ValueError(
             f"server_error ({e.size}) and bits_out ({b.size}) must match bits rows ({bn.shape[1]} bytes)"
         )
+    return bn, e, b
+
+
+def _server_pack_with_pieces(bits, scales, server_error, scale, bits_out, bounds) -> None:
+    bn, e, b = _server_pack_views(bits, server_error, bits_out)
     bnd = _bounds_array(bounds, e.size)
     scale = torch.as_tensor(scale).detach()
     if scale.numel() != bnd.size - 1:
