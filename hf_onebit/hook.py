@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from hf_onebit.comm import runs_inline
 from hf_onebit.optim.base import OneBitOptimizer, logger
 
 
@@ -39,9 +40,36 @@ class OneBitHookState:
         return scaler._scale if getattr(scaler, "_scale", None) is not None else None
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides cover its elements once without gaps (channels_last, transposes)."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def bucket_gradients(bucket: dist.GradBucket) -> list:
+    """The bucket's per-parameter gradients, as views with each parameter's own strides.
+
+    DDP fills a bucket in each parameter's *memory* order (its bucket views copy the
+    parameter's strides when they are dense, e.g. channels_last or a transposed view), but
+    ``GradBucket.gradients()`` returns row-major views of the same memory, which for such a
+    parameter scramble its coordinates. Re-view them as DDP wrote them, so every coordinate
+    is read (and written back) at its logical position.
+    """
+    out = []
+    for p, g in zip(bucket.parameters(), bucket.gradients()):
+        if not p.is_contiguous() and _dense(p):
+            g = g.as_strided(p.shape, p.stride())  # same storage offset as DDP's bucket view
+        out.append(g)
+    return out
+
+
 def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: run the optimizer's plan for this step on ``bucket``."""
-    return state.optimizer.reduce_bucket(bucket.parameters(), bucket.buffer(), bucket.gradients())
+    return state.optimizer.reduce_bucket(bucket.parameters(), bucket.buffer(), bucket_gradients(bucket))
 
 
 def attach(
@@ -92,9 +120,12 @@ def attach(
     if optimizer.world_size == 1:
         logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
         return None
-    if getattr(ddp_model, "find_unused_parameters", False) and dist.get_backend(ddp_model.process_group) == "gloo":
+    # Chosen by device, as the executor is (a backend name may be "undefined" or mixed): CPU
+    # buckets are communicated on hf_onebit's thread, which races DDP's used-parameter all-reduce.
+    on_thread = any(not runs_inline(p.device) for p in opt_params)
+    if getattr(ddp_model, "find_unused_parameters", False) and on_thread:
         raise ValueError(
-            "hf_onebit.attach: DistributedDataParallel(find_unused_parameters=True) on gloo runs DDP's own"
+            "hf_onebit.attach: DistributedDataParallel(find_unused_parameters=True) on CPU (gloo) runs DDP's own"
             " collective on the autograd thread while hf_onebit communicates on its own thread; gloo then"
             " pairs the wrong messages and aborts. Build DDP with find_unused_parameters=False (HF Trainer:"
             " --ddp_find_unused_parameters false)."

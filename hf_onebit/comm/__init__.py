@@ -2,7 +2,7 @@
 
 from hf_onebit.comm.allreduce import MeanAllReduce
 from hf_onebit.comm.compressed import CompressedAllReduce, padded_length
-from hf_onebit.comm.executor import executor_for, run_ordered
+from hf_onebit.comm.executor import executor_for, run_ordered, runs_inline
 from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
 
 __all__ = [
@@ -14,4 +14,5 @@ __all__ = [
     "executor_for",
     "padded_length",
     "run_ordered",
+    "runs_inline",
 ]

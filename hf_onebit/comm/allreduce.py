@@ -23,8 +23,10 @@ class MeanAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            # Divide first, as DDP's own reducer does: an fp16/bf16 bucket whose sum over ranks
+            # overflows but whose mean does not stays finite (gloo has no ReduceOp.AVG).
             x.div_(self.world_size)
+            dist.all_reduce(x, group=self.group)
         moved = allreduce_bytes(x.numel() * x.element_size(), self.world_size)
         fp32 = allreduce_bytes(x.numel() * 4, self.world_size)
         rounds = 1 if self.world_size > 1 else 0

@@ -8,12 +8,15 @@ ranks: gloo then pairs the wrong collectives and hangs or fails with "collective
 
 So every collective hf_onebit issues on a process group goes through that group's executor:
 
-* :class:`ThreadExecutor` (gloo, CPU): one worker thread per group runs jobs strictly in
+The executor is chosen by the device of the tensors (not by the backend's name, which may be
+``"undefined"`` or ``"cuda:nccl,cpu:gloo"``): see :func:`runs_inline`.
+
+* :class:`ThreadExecutor` (CPU tensors, gloo): one worker thread per group runs jobs strictly in
   submission order, each job blocking on its own collectives. DDP submits buckets in the same
   order on every rank, so every rank issues the same sequence. The caller gets a
   :class:`torch.futures.Future` at once; backward continues on the main thread meanwhile (the
   numba kernels and gloo release the GIL).
-* :class:`InlineExecutor` (NCCL, CUDA): NCCL collectives and Triton kernels are enqueued on CUDA
+* :class:`InlineExecutor` (CUDA tensors, NCCL): NCCL collectives and Triton kernels are enqueued on CUDA
   streams and never block the host, so the job runs right away on the calling thread; its
   order on the stream is the submission order. The returned future is CUDA-aware
   (``devices=[...]``), so whoever waits on it synchronises its stream, not the host.
@@ -81,22 +84,36 @@ class ThreadExecutor:
         self._thread.join(timeout=5)
 
 
-# id(group) -> (group, executor); the group is kept so its id cannot be reused while we hold it.
-_EXECUTORS: dict[int, tuple[Any, Any]] = {}
+def runs_inline(device: torch.device | str | None) -> bool:
+    """Whether collectives on ``device`` run inline (CUDA: stream-ordered) or on the ordered thread.
+
+    Chosen by the *tensor's device*, never by the backend's name: a group created without a
+    backend reports ``"undefined"``, a mixed one ``"cuda:nccl,cpu:gloo"``, and either may carry
+    CPU buckets (gloo, host-blocking) and CUDA buckets (NCCL, stream-ordered).
+    """
+    return device is not None and torch.device(device).type == "cuda"
+
+
+# (id(group), device kind) -> (group, executor); the group is kept so its id cannot be reused
+# while we hold it.
+_EXECUTORS: dict[tuple, tuple[Any, Any]] = {}
 _LOCK = threading.Lock()
 
 
-def executor_for(group: dist.ProcessGroup | None = None, device: torch.device | None = None):
-    """The executor shared by every hf_onebit collective on ``group`` (created on first use)."""
+def executor_for(group: dist.ProcessGroup | None = None, device: torch.device | str | None = None):
+    """The executor shared by every hf_onebit collective on ``group`` for tensors on ``device``.
+
+    CUDA tensors get an :class:`InlineExecutor` (one per CUDA device), anything else (CPU, or
+    no device given) the group's :class:`ThreadExecutor`; created on first use.
+    """
     group = group if group is not None else dist.group.WORLD
+    inline = runs_inline(device)
+    key = (id(group), str(torch.device(device)) if inline else "thread")
     with _LOCK:
-        entry = _EXECUTORS.get(id(group))
+        entry = _EXECUTORS.get(key)
         if entry is None:
-            if dist.get_backend(group) == "nccl":
-                executor: Any = InlineExecutor(device)
-            else:
-                executor = ThreadExecutor()
-            entry = _EXECUTORS[id(group)] = (group, executor)
+            executor: Any = InlineExecutor(torch.device(device)) if inline else ThreadExecutor()
+            entry = _EXECUTORS[key] = (group, executor)
         return entry[1]
 
 

@@ -114,7 +114,7 @@ def sparse_message(names: list[str]) -> str:
 
 
 def check_find_unused(ddp) -> None:
-    """Refuse ``DistributedDataParallel(find_unused_parameters=True)`` on gloo.
+    """Refuse ``DistributedDataParallel(find_unused_parameters=True)`` with CPU parameters (gloo).
 
     With it, DDP all-reduces its map of used parameters from the autograd thread during
     backward, while hf_onebit's gloo communication thread runs the gradient buckets' collectives
@@ -124,9 +124,13 @@ def check_find_unused(ddp) -> None:
     """
     if not getattr(ddp, "find_unused_parameters", False):
         return
-    dist = torch.distributed
-    backend = dist.get_backend(ddp.process_group) if dist.is_initialized() else None
-    if backend != "gloo":
+    from hf_onebit.comm import runs_inline
+
+    # By the parameters' device, as hf_onebit chooses its executor (the backend's name may be
+    # "undefined" or "cuda:nccl,cpu:gloo"): CPU buckets go through the communication thread.
+    if not torch.distributed.is_initialized():
+        return
+    if all(runs_inline(p.device) for p in ddp.module.parameters() if p.requires_grad):
         return
     raise UnsupportedSetup(
         "hf_onebit on CPU (gloo) does not support DistributedDataParallel(find_unused_parameters=True): DDP's"

@@ -84,6 +84,23 @@ class Segment:
         return self._work
 
 
+def write_flat_(dst: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``dst[...] = flat`` with ``flat`` in ``dst``'s logical (row-major) order, whatever its strides.
+
+    ``dst.reshape(-1)`` of a channels_last or transposed tensor is a copy, so writing through it
+    would be lost; this writes into ``dst`` itself.
+    """
+    if dst.is_contiguous():
+        return dst.view(-1).copy_(flat)
+    return dst.copy_(flat.view(dst.shape))
+
+
+def logical(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if contiguous, else a contiguous copy: reductions over it then sum in logical
+    order, so a channels_last tensor reduces bitwise like the same values stored contiguously."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _completed(value: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
@@ -212,9 +229,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
         if scale == 1.0:
             if result.data_ptr() == grad.data_ptr():
                 return
-            grad.reshape(-1).copy_(result)
+            write_flat_(grad, result)
+        elif grad.is_contiguous():
+            torch.mul(result, scale, out=grad.view(-1))
         else:
-            torch.mul(result, scale, out=grad.reshape(-1))
+            write_flat_(grad, torch.mul(result, scale))
 
     def global_state(self) -> dict:
         """Counters identical on every rank (saved in ``state_dict()``); extend in subclasses."""
@@ -404,8 +423,12 @@ class OneBitOptimizer(torch.optim.Optimizer):
         position = {id(p): k for k, p in enumerate(params)}
         all_params = self.params_in_order()
         seg0 = segments[0]
+        # In place only when every gradient is contiguous: DDP lays a bucket out in each
+        # parameter's memory order (channels_last, transposed views), while optimizer state and
+        # compression work in logical order; other buckets go through the segment's work buffer.
         in_place = (
             len(segments) == 1 and buffer.dtype == torch.float32 and seg0.numel == buffer.numel()
+            and all(g.is_contiguous() for g in grads)
             and len(seg0.key) == len(params) and all(all_params[i] is p for i, p in zip(seg0.key, params))
         )
         if in_place:

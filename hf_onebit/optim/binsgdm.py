@@ -130,6 +130,7 @@ from hf_onebit.optim.base import (
     check_betas,
     check_common,
     logger,
+    write_flat_,
 )
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both.
@@ -600,7 +601,7 @@ class BinSGDM(OneBitOptimizer):
             src = qbar[item.offset : item.offset + item.numel]
             if scale != 1.0:
                 src = src * scale
-            g.reshape(-1).copy_(src)
+            write_flat_(g, src)  # g has the parameter's strides: reshape(-1) could be a copy
         return buffer
 
     def _gather(self, payload: torch.Tensor, size: int, group) -> torch.Tensor:

@@ -201,7 +201,8 @@ def _median(values: list[float]) -> float:
 
 def _rms_estimates(variances: list[tuple[torch.Tensor, float]], updates: int) -> list[float]:
     """``sqrt(mean(v / (1 - β2^k)))`` per tensor, with one fused norm and one host sync."""
-    tensors = [v for v, _ in variances if v.numel()]
+    # logical order: a channels_last variance sums (and so freezes) like a contiguous one
+    tensors = [v if v.is_contiguous() else v.contiguous() for v, _ in variances if v.numel()]
     betas = [b2 for v, b2 in variances if v.numel()]
     if not tensors:
         return []

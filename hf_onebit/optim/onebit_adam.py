@@ -109,7 +109,8 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         if plan is not Plan.COMPRESS_MOMENTUM:
             return super().prepare_send(plan, p, grad, out, inv_scale)
         beta1 = self._group_map()[id(p)]["betas"][0]
-        m = self.state[p]["exp_avg"].reshape(-1)
+        # _init_state: with freeze_step=0 compression starts before any step() created the state
+        m = self._init_state(p)["exp_avg"].reshape(-1)
         g = grad.reshape(-1)
         if not (g.dtype == torch.float32 and inv_scale == 1.0):
             g = out.copy_(g).mul_(inv_scale)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, logical
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 
@@ -50,7 +50,7 @@ def _check_lamb_group(group: dict) -> None:
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x)
+    return torch.linalg.vector_norm(logical(x))  # logical order: channels_last sums like contiguous
 
 
 class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
@@ -293,7 +293,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             state = self.state[p]
             state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])
             m = state["exp_avg"]
-            norm = float(torch.linalg.vector_norm(m, dtype=torch.float64)) if m.numel() else 0.0
+            norm = float(torch.linalg.vector_norm(logical(m), dtype=torch.float64)) if m.numel() else 0.0
             rms.append(norm / math.sqrt(m.numel()) if m.numel() else 0.0)
         mean = sum(rms) / len(rms) if rms else 0.0
         for p, r in zip(params, rms):
