@@ -74,8 +74,8 @@ class OneBitCallback(TrainerCallback):
         auto = getattr(opt, "auto_freeze", None)
         if auto is not None and auto.chosen is None and state.max_steps > 0 and auto.fit_to_run(state.max_steps):
             if state.is_world_process_zero:
-                logger.warning("hf_onebit %s: %s for a run of %d steps", type(opt).__name__, auto.describe(),
-                               state.max_steps)
+                logger.warning("hf_onebit %s: fitted to a run of %d steps, %s", type(opt).__name__, state.max_steps,
+                               auto.describe())
         end = warmup_end(opt)
         if end is not None and end >= state.max_steps > 0 and state.is_world_process_zero:
             # name the option this script accepts: OneBitTrainingArguments has --freeze_step, stock ones do not

@@ -165,7 +165,8 @@ class AutoFreeze:
         """One line for the log: the chosen step and why."""
         bounds = f"bounds [{self.min_step}, {self.max_step if self.max_step is not None else 'none'}]"
         if self.chosen is None:
-            return f"auto freeze: not chosen yet ({bounds})"
+            return (f"auto freeze: not chosen yet ({bounds}, a check every {self.window} variance updates,"
+                    f" tolerance {100 * self.tolerance:.1f}%)")
         if self.chosen_drift is None:
             return f"auto freeze chose step {self.chosen}: max_step reached before the variance settled ({bounds})"
         return (
