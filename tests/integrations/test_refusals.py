@@ -124,16 +124,18 @@ def test_lone_ranks_are_refused_for_real(tmp_path):
     assert "ACCELERATE_USE_CPU=1" in res.output
 
 
-def test_find_unused_parameters_is_refused_on_gloo(monkeypatch):
+def test_find_unused_parameters_is_refused_for_cpu_buckets(monkeypatch):
     from hf_onebit.integrations.checks import UnsupportedSetup, check_find_unused
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    model = torch.nn.Linear(2, 2)  # CPU parameters: their buckets go through the communication thread
     with pytest.raises(UnsupportedSetup, match="find_unused_parameters=True.*--ddp_find_unused_parameters false"):
-        check_find_unused(types.SimpleNamespace(find_unused_parameters=True, process_group=None))
-    check_find_unused(types.SimpleNamespace(find_unused_parameters=False, process_group=None))
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
-    check_find_unused(types.SimpleNamespace(find_unused_parameters=True, process_group=None))
+        check_find_unused(types.SimpleNamespace(find_unused_parameters=True, process_group=None, module=model))
+    check_find_unused(types.SimpleNamespace(find_unused_parameters=False, process_group=None, module=model))
+    # Buckets that run inline (CUDA) are fine, whatever the backend is called: the device decides.
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr("hf_onebit.comm.runs_inline", lambda device: True)
+    check_find_unused(types.SimpleNamespace(find_unused_parameters=True, process_group=None, module=model))
 
 
 def test_onebit_arguments_default_find_unused_parameters_off(tmp_path):
