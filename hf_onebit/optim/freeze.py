@@ -203,15 +203,13 @@ def _median(values: list[float]) -> float:
 def _rms_estimates(variances: list[tuple[torch.Tensor, float]], updates: int) -> list[float]:
     """``sqrt(mean(v / (1 - β2^k)))`` per tensor, with one fused norm and one host sync."""
     # logical order: a channels_last variance sums (and so freezes) like a contiguous one
-    tensors = [v if v.is_contiguous() else v.contiguous() for v, _ in variances if v.numel()]
+    tensors = [v.contiguous() for v, _ in variances if v.numel()]  # contiguous() returns v itself if it is
     betas = [b2 for v, b2 in variances if v.numel()]
     if not tensors:
         return []
     sums = torch.stack(torch._foreach_norm(tensors, 1, dtype=torch.float32)).tolist()  # v >= 0: ‖v‖₁ = Σ v
-    return [
-        math.sqrt(s / v.numel() / (1 - b2**updates)) if b2 < 1 and 1 - b2**updates > 0 else math.sqrt(s / v.numel())
-        for s, v, b2 in zip(sums, tensors, betas)
-    ]
+    # β2 in [0, 1) (checked at construction) and updates >= 1, so 1 - β2^k > 0
+    return [math.sqrt(s / v.numel() / (1 - b2**updates)) for s, v, b2 in zip(sums, tensors, betas)]
 
 
 #: What the freeze step reads as while an automatic freeze has not chosen yet: a step no run
