@@ -24,6 +24,7 @@ The executor is chosen by the device of the tensors (not by the backend's name, 
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from typing import Any, Callable
@@ -112,6 +113,8 @@ def executor_for(group: dist.ProcessGroup | None = None, device: torch.device | 
     with _LOCK:
         entry = _EXECUTORS.get(key)
         if entry is None:
+            if not inline and not any(isinstance(e, ThreadExecutor) for _, e in _EXECUTORS.values()):
+                atexit.register(release_at_exit)
             executor: Any = InlineExecutor(torch.device(device)) if inline else ThreadExecutor()
             entry = _EXECUTORS[key] = (group, executor)
         return entry[1]
@@ -120,3 +123,23 @@ def executor_for(group: dist.ProcessGroup | None = None, device: torch.device | 
 def run_ordered(job: Job, group: dist.ProcessGroup | None = None, device: torch.device | None = None):
     """Run ``job`` through the group's executor and wait for it (blocking convenience)."""
     return executor_for(group, device).submit(job).wait()
+
+
+def release_at_exit() -> None:
+    """Stop the worker threads and destroy the default process group before the interpreter dies.
+
+    Registered (once) when the first :class:`ThreadExecutor` starts. Stock scripts rarely call
+    ``dist.destroy_process_group()``; gloo's C++ threads then outlive the interpreter and now and
+    then abort the process at exit ("terminate called without an active exception", SIGABRT):
+    the training finished, its checkpoint is written, yet the launcher reports a failed rank.
+    atexit handlers run while the interpreter is whole, so the group is torn down here instead.
+    Destroying a gloo group is local (no message to the other ranks), so it cannot hang; a group
+    with NCCL in it is left to PyTorch (its teardown may wait on peers that crashed).
+    """
+    with _LOCK:
+        entries = list(_EXECUTORS.values())
+        _EXECUTORS.clear()
+    for _, executor in entries:
+        executor.shutdown()
+    if dist.is_available() and dist.is_initialized() and "nccl" not in str(dist.get_backend()):
+        dist.destroy_process_group()

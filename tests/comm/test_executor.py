@@ -88,3 +88,23 @@ def test_fp16_mean_does_not_overflow_where_the_sum_would(world_size):
         assert torch.isfinite(x).all()
         assert torch.equal(x, want16)
         assert torch.equal(y, torch.full((16,), 3.5))
+
+
+def _released_at_exit(rank, world_size):
+    registered = []
+    ex.atexit.register = registered.append  # this spawned process only: record, do not run at exit
+    total = torch.full((3,), float(rank + 1))
+    ex.run_ordered(lambda: dist.all_reduce(total), device=total.device)
+    thread = ex.executor_for(None, total.device)._thread
+    assert registered == [ex.release_at_exit], registered
+    ex.executor_for(None, total.device)  # a second use registers nothing more
+    assert len(registered) == 1
+    registered[0]()
+    return dict(total=total.tolist(), thread_alive=thread.is_alive(), initialized=dist.is_initialized(),
+                executors=len(ex._EXECUTORS))
+
+
+def test_the_first_thread_executor_registers_an_exit_handler_that_tears_the_group_down():
+    """Stock scripts exit with the gloo group alive; its C++ threads then abort the process at times."""
+    for out in run_distributed(_released_at_exit, 2):
+        assert out == dict(total=[3.0, 3.0, 3.0], thread_alive=False, initialized=False, executors=0)
