@@ -66,7 +66,7 @@ def build_method(method: str, model, args):
     import hf_onebit
 
     params = [p for p in model.parameters() if p.requires_grad]
-    f = max(2, round(args.freeze_frac * args.steps))
+    f = freeze_of(args)
     if method in ("adamw", "fp16", "powersgd"):
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
         # One bucket for PowerSGD on gloo (see benchmarks/network.py: several buckets in flight
@@ -79,13 +79,25 @@ def build_method(method: str, model, args):
         elif method == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=f)
+            start = f if isinstance(f, int) else max(2, round(0.2 * args.steps))
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=start)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return opt, ddp
     opt = network.onebit_optimizer(method, params, args, f)
     ddp = DDP(model)
     hf_onebit.attach(ddp, opt)
     return opt, ddp
+
+
+def freeze_of(args):
+    """The warmup's length: ``--freeze-frac`` of the steps, or ``"auto"`` (the automatic freeze)."""
+    return "auto" if args.freeze_frac == "auto" else max(2, round(float(args.freeze_frac) * args.steps))
+
+
+def chosen_freeze(opt):
+    """The step the optimizer's warmup (0/1 Adam: variance phase) ended at, or None (no such phase)."""
+    step = getattr(opt, "var_freeze_step", getattr(opt, "freeze_step", None))
+    return step if isinstance(step, int) and step < 2**62 else None
 
 
 def evaluate(model, tok, eval_items, rank, world, max_len) -> tuple[float, float]:
@@ -153,6 +165,7 @@ def _train_all(rank, world, args):
             "t": [max(g_[1][s] for g_ in gathered) for s in range(args.steps)],
             "evals": evals,
             "stats": stats,
+            "freeze_step": chosen_freeze(opt),
         }
         del opt, ddp, model
     return out
@@ -181,8 +194,14 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
         axes[2].plot(steps, [e[2] for e in r["evals"]], marker="o", ms=3, color=colors[m], lw=lw, label=LABELS[m])
     f = meta["freeze"]
     for ax in axes:
-        ax.axvline(f + 0.5, color="0.5", ls="--", lw=1)
-        ax.set_xlabel(f"step (dashed: end of warmup/freeze, step {f})")
+        if f == "auto":  # each method's own choice, in its colour
+            for m, r in runs.items():
+                if r.get("freeze_step"):
+                    ax.axvline(r["freeze_step"] + 0.5, color=colors[m], ls="--", lw=1)
+            ax.set_xlabel("step (dashed: where each method's automatic freeze ended its warmup)")
+        else:
+            ax.axvline(f + 0.5, color="0.5", ls="--", lw=1)
+            ax.set_xlabel(f"step (dashed: end of warmup/freeze, step {f})")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("training loss (EMA 0.95, mean of ranks)")
     axes[0].set_title("training loss vs step")
@@ -216,7 +235,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--lamb-lr", type=float, default=1e-3)
-    parser.add_argument("--freeze-frac", type=float, default=0.2)
+    parser.add_argument("--freeze-frac", default="0.2",
+                        help='fraction of the steps before the freeze (and PowerSGD\'s start), or "auto": the'
+                             " automatic freeze within 10-40%% of the run (PowerSGD then starts at 20%%)")
     parser.add_argument("--eval-every", type=int, default=30)
     parser.add_argument("--eval-size", type=int, default=512)
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
@@ -228,6 +249,12 @@ def main() -> None:
     parser.add_argument("--plot-dir", type=Path, default=None)
     parser.add_argument("--plot-from", type=Path, default=None, help="only plot the results of an earlier --json")
     args = parser.parse_args()
+    if args.freeze_frac != "auto":
+        try:
+            if not 0 < float(args.freeze_frac) < 1:
+                raise ValueError
+        except ValueError:
+            parser.error(f'--freeze-frac must be a fraction in (0, 1) or "auto", got {args.freeze_frac!r}')
     if args.plot_from:
         for p in make_plots(json.loads(args.plot_from.read_text()), args.plot_dir or Path("docs/img")):
             print(f"wrote {p}")
@@ -240,7 +267,7 @@ def main() -> None:
     print(f"convergence benchmark: {args.world_size} gloo ranks, {os.cpu_count()} cores, load average {load_start}")
     start = time.time()
     out = run_distributed(_train_all, args.world_size, args, env={"HF_HUB_OFFLINE": "1"}, timeout=6 * 3600)[0]
-    f = max(2, round(args.freeze_frac * args.steps))
+    f = freeze_of(args)
     results = {
         "meta": {"command": "python benchmarks/convergence.py " + " ".join(sys.argv[1:]),
                  "date": _dt.date.today().isoformat(), "machine": f"{os.cpu_count()}-core CPU ({platform.machine()})",
@@ -251,13 +278,14 @@ def main() -> None:
     }
     base = out.get("adamw")
     print(f"\n{'method':<24} {'final eval loss':>15} {'vs AdamW':>9} {'eval acc':>9} {'train loss':>11}"
-          f" {'compression':>12}")
+          f" {'compression':>12} {'freeze':>8}")
     for m, r in out.items():
         ev_loss, ev_acc = r["evals"][-1][1], r["evals"][-1][2]
         rel = f"{100 * (ev_loss / base['evals'][-1][1] - 1):+.1f}%" if base else "-"
         tail = statistics.fmean(r["loss"][-max(1, args.steps // 5):])
         comp = f"{r['stats']['compression_ratio']:.1f}x" if r["stats"] else "-"
-        print(f"{LABELS[m]:<24} {ev_loss:>15.4f} {rel:>9} {ev_acc:>9.3f} {tail:>11.4f} {comp:>12}")
+        frozen = str(r["freeze_step"]) if r.get("freeze_step") else "-"
+        print(f"{LABELS[m]:<24} {ev_loss:>15.4f} {rel:>9} {ev_acc:>9.3f} {tail:>11.4f} {comp:>12} {frozen:>8}")
     print(f"(train loss: mean of the last {max(1, args.steps // 5)} steps; compression: hf_onebit's whole-run ratio"
           f" to an fp32 all-reduce; {results['meta']['minutes']:.1f} min; load avg {results['meta']['load_end']})")
     if args.json:

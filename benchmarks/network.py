@@ -423,11 +423,17 @@ def onebit_optimizer(method: str, params, args, freeze: int):
     import hf_onebit
 
     extra = json.loads(args.onebit_args or "{}")
+    if freeze == "auto":  # the automatic freeze with the bounds the HF integration fits to a run
+        from hf_onebit.optim.freeze import AutoFreeze
+
+        freeze = AutoFreeze.for_run(args.steps)
+    # 0/1 Adam's schedules are set from the freeze step; under "auto" from its 20% estimate
+    estimate = freeze if isinstance(freeze, int) else max(2, round(0.2 * args.steps))
     if method == "onebit_adam":
         return hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=freeze, **extra)
     if method == "zeroone_adam":
         return hf_onebit.ZeroOneAdam(params, lr=args.lr, betas=(0.9, 0.99), var_freeze_step=freeze,
-                                     var_update_scaler=max(1, freeze // 4), local_step_scaler=max(1, args.steps // 10),
+                                     var_update_scaler=max(1, estimate // 4), local_step_scaler=max(1, args.steps // 10),
                                      local_step_clipper=16, **extra)
     if method == "onebit_lamb":
         return hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=freeze, **extra)

@@ -1,0 +1,143 @@
+"""Issue 15's acceptance table: a stock classification script at the Trainer's defaults, only ``--optim X``.
+
+    python recipes/stock_table.py                       # AdamW and the four optimizers, seed 42
+    python recipes/stock_table.py --seeds 42 43 44 --only adamw_torch binsgdm
+    python recipes/stock_table.py --summarize           # the table from the results already written
+
+Each run is ``accelerate launch --config_file <cpu_2proc> -m hf_onebit.run
+recipes/stock_classification.py`` on the GLUE recipe's default task (Rotten Tomatoes, the files
+``recipes/glue/glue_data.build_embedded`` writes) with MiniLM, and the *same* command line for every
+optimizer except ``--optim``: no ``--optim_args``, no learning rate, no clipping setting. Only the
+budget is fixed (240 steps of 2 x 16 examples, as the recipe's quick budget) and the seed. What
+each hf_onebit optimizer needs is supplied by the launcher (``hf_onebit.integrations.defaults``).
+
+Results land in ``outputs/stock_table/<optim>-seed<N>/all_results.json`` (written by the stock
+``Trainer.save_metrics``) with the run's log beside it; the table (markdown) is printed and
+written to ``outputs/stock_table/table.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "recipes" / "stock_classification.py"
+CONFIG = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
+OPTIMS = ["adamw_torch", "onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm"]
+BUDGET = ["--max_steps", "240", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "64",
+          "--logging_steps", "40", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
+#: what the launcher decided, as the logs say it (the warmup's end, settings it changed)
+DECISIONS = re.compile(r"(auto freeze chose.*|hf_onebit: --\S+ \S+ for --optim.*?\))")
+
+
+def data_files() -> dict:
+    sys.path.insert(0, str(REPO / "recipes" / "glue"))
+    import glue_data
+
+    return glue_data.build_embedded()["files"]
+
+
+def model_path() -> str:
+    sys.path.insert(0, str(REPO / "recipes" / "glue"))
+    from run_glue import default_model_path
+
+    return default_model_path()
+
+
+def run_one(optim: str, seed: int, out: Path, files: dict, model: str) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    exe = Path(sys.executable).with_name("accelerate")
+    launcher = [str(exe), "launch"] if exe.exists() else [sys.executable, "-m", "accelerate.commands.launch"]
+    cmd = [*launcher, "--config_file", str(CONFIG), "-m", "hf_onebit.run", str(SCRIPT),
+           "--model_name_or_path", model, "--train_file", files["train"], "--validation_file", files["validation"],
+           "--output_dir", str(out), "--seed", str(seed), *BUDGET, "--optim", optim]
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "run.log"
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    if rc != 0:
+        raise SystemExit(f"{optim} seed {seed}: exit code {rc}; see {log}")
+    result = json.loads((out / "all_results.json").read_text())
+    result["wall_seconds"] = time.perf_counter() - start
+    (out / "all_results.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def summary(out: Path, optim: str, seed: int) -> dict | None:
+    f = out / f"{optim}-seed{seed}" / "all_results.json"
+    if not f.is_file():
+        return None
+    r = json.loads(f.read_text())
+    log = (f.parent / "run.log").read_text() if (f.parent / "run.log").is_file() else ""
+    return {"accuracy": 100 * r["eval_accuracy"], "loss": r["eval_loss"],
+            "ratio": float(r.get("onebit/ratio_vs_ddp", 1.0)),
+            "decisions": sorted({m.group(1).strip() for m in DECISIONS.finditer(log)})}
+
+
+def table(out: Path, seeds: list[int]) -> str:
+    rows = ["| --optim | " + " | ".join(f"seed {s}" for s in seeds) + " | mean dev accuracy | Δ vs AdamW (points)"
+            " | whole-run ratio vs fp32 all-reduce | goal (within 1 point; ratio ≥ 1.5x, BinSGDM ≥ 10x) |",
+            "|---|" + "---|" * len(seeds) + "---|---|---|---|"]
+    base = None
+    notes = []
+    for optim in OPTIMS:
+        got = {s: summary(out, optim, s) for s in seeds}
+        accs = [g["accuracy"] for g in got.values() if g]
+        if not accs:
+            continue
+        mean = statistics.mean(accs)
+        ratios = [g["ratio"] for g in got.values() if g]
+        if optim == "adamw_torch":
+            base, delta, verdict = mean, "—", "—"
+        else:
+            d = mean - base if base is not None else float("nan")
+            delta = f"{d:+.2f}"
+            need = 10.0 if optim == "binsgdm" else 1.5
+            complete = len(accs) == len(seeds)
+            ok = d >= -1.0 and min(ratios) >= need
+            verdict = ("met" if ok else "**missed**") + ("" if complete else f" ({len(accs)} of {len(seeds)} seeds)")
+        cells = [f"{g['accuracy']:.1f}" if g else "" for g in got.values()]
+        ratio = f"{min(ratios):.1f}x" if min(ratios) == max(ratios) else f"{min(ratios):.1f}-{max(ratios):.1f}x"
+        rows.append(f"| {optim} | " + " | ".join(cells) + f" | {mean:.2f} | {delta} | {ratio} | {verdict} |")
+        for s, g in got.items():
+            if g and g["decisions"]:
+                notes.append(f"- {optim}, seed {s}: " + "; ".join(g["decisions"]))
+    return "\n".join(rows + ([""] + notes if notes else []))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=None, choices=OPTIMS, help="optimizers to run (default: all)")
+    parser.add_argument("--seeds", nargs="*", type=int, default=[42])
+    parser.add_argument("--out", default=str(REPO / "outputs" / "stock_table"))
+    parser.add_argument("--summarize", action="store_true", help="only print the table of existing results")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if not args.summarize:
+        files, model = data_files(), model_path()
+        for seed in args.seeds:
+            for optim in args.only or OPTIMS:
+                print(f"[{time.strftime('%H:%M:%S')}] {optim} seed {seed} (load {os.getloadavg()[0]:.1f})", flush=True)
+                r = run_one(optim, seed, out / f"{optim}-seed{seed}", files, model)
+                print(f"    dev accuracy {100 * r['eval_accuracy']:.1f}  loss {r['eval_loss']:.3f}"
+                      f"  ratio {float(r.get('onebit/ratio_vs_ddp', 1.0)):.2f}x  wall {r['wall_seconds']:.0f} s",
+                      flush=True)
+    text = table(out, args.seeds)
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
