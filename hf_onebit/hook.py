@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_onebit.comm import runs_inline
+from hf_onebit.kernels.selftest import self_test
 from hf_onebit.optim.base import OneBitOptimizer, logger
 
 
@@ -130,6 +131,11 @@ def attach(
             " pairs the wrong messages and aborts. Build DDP with find_unused_parameters=False (HF Trainer:"
             " --ddp_find_unused_parameters false)."
         )
+    # Triton compiles on first use: do it now, checked against the reference, not in the first
+    # compressing backward hours from here (where a failure would read as a dead peer).
+    for device, dtype in sorted({(p.device, d) for p in opt_params if runs_inline(p.device)
+                                 for d in (p.dtype, torch.float32)}, key=str):
+        self_test(device, dtype)
     _check_same_on_every_rank(optimizer, ddp_model.process_group)
     ddp_model.register_comm_hook(state, onebit_hook)
     return state

@@ -62,5 +62,26 @@ def test_a_failed_rank_stops_the_others_with_a_clear_error(case, mode):
         assert report is not None, "a surviving rank trained on as if nothing happened"
         assert report["step"] == CASES[case][2]
         assert "hf_onebit" in report["message"] and "resume from the last checkpoint" in report["message"]
+        assert "Another rank has probably died" in report["message"], report["message"]  # blamed on a peer, not local
         # a stall is detected by the process group's timeout, a death at once
         assert report["seconds"] < pg_timeout + 30
+
+
+def test_a_local_failure_in_a_communication_job_does_not_blame_a_peer():
+    """A kernel or memory error on this rank is reported as local, with the kernel way out."""
+    from hf_onebit.optim.base import CommunicationError, LocalFailure, Plan
+
+    opt = build_optimizer("OneBitAdam", FixedGradModel().parameters(), dict(lr=1e-2, freeze_step=2))
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(LocalFailure, match=r"not a network error.*HF_ONEBIT_KERNELS=reference") as got:
+        opt._with_context(7, Plan.COMPRESS_MOMENTUM, out_of_memory)()
+    assert "probably died" not in str(got.value)
+
+    def peer_gone():
+        raise RuntimeError("[/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+
+    with pytest.raises(CommunicationError, match="Another rank has probably died"):
+        opt._with_context(7, Plan.COMPRESS_MOMENTUM, peer_gone)()

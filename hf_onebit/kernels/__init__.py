@@ -16,7 +16,8 @@ from types import ModuleType
 import torch
 
 BACKENDS = ("reference", "cpu", "triton")
-_ENV = "HF_ONEBIT_KERNELS"
+ENV_VAR = "HF_ONEBIT_KERNELS"  # forces a backend: reference | cpu | triton
+_ENV = ENV_VAR
 
 
 def load_backend(name: str) -> ModuleType:

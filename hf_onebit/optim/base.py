@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce, MeanAllReduce, executor_for
+from hf_onebit.kernels import ENV_VAR as KERNELS_ENV
 
 logger = logging.getLogger("hf_onebit")
 
@@ -116,6 +117,23 @@ def _looks_like_adam(state_dict: dict) -> bool:
 
 class CommunicationError(RuntimeError):
     """A collective of hf_onebit failed (typically: a peer died or timed out)."""
+
+
+class LocalFailure(RuntimeError):
+    """A communication job failed on this rank for a local reason (kernel, memory), not the network."""
+
+
+#: words of the errors that gloo, NCCL and the store raise as RuntimeError when a peer is gone
+_NETWORK_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket", "store")
+
+
+def is_distributed_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the network or a peer (so another rank is the likely culprit)."""
+    dist_error = getattr(dist, "DistError", ())
+    if dist_error and isinstance(exc, dist_error):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in _NETWORK_WORDS)
 
 
 def _failed(exc: BaseException) -> torch.futures.Future:
@@ -389,9 +407,16 @@ class OneBitOptimizer(torch.optim.Optimizer):
             try:
                 return job()
             except Exception as exc:  # noqa: BLE001 - re-raised with context
+                where = f"hf_onebit {type(self).__name__}: rank {self.rank} of {self.world_size}, step {t} (plan {plan.value})"
+                if not is_distributed_failure(exc):  # blame a peer only for what a peer can cause
+                    raise LocalFailure(
+                        f"{where}: the communication job failed on this rank: {type(exc).__name__}: {exc}."
+                        " This is not a network error: the kernels, memory or the inputs failed here (the other"
+                        f" ranks will then time out waiting for this one). Set {KERNELS_ENV}=reference to rule"
+                        " out the compiled kernels; `hf-onebit check` tests them."
+                    ) from exc
                 raise CommunicationError(
-                    f"hf_onebit {type(self).__name__}: a collective failed on rank {self.rank} of"
-                    f" {self.world_size} at step {t} (plan {plan.value}): {exc}. Another rank has"
+                    f"{where}: a collective failed: {exc}. Another rank has"
                     " probably died or stalled beyond the process group's timeout"
                     " (init_process_group(timeout=...)); stop all ranks and resume from the last checkpoint."
                 ) from exc

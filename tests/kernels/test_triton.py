@@ -575,3 +575,13 @@ def test_pieces_no_host_sync(monkeypatch):
     T.unpack_scaled(torch.stack([out_bits, out_bits]), torch.ones(3), torch.empty(numel), bounds=everything)
     monkeypatch.undo()
     assert error.abs().sum().item() > 0 and server_error.abs().sum().item() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_self_test_passes_the_triton_kernels(monkeypatch, dtype):
+    """What attach runs for CUDA buckets, here through the interpreter (the same kernels)."""
+    from hf_onebit.kernels import selftest
+
+    monkeypatch.setattr(selftest, "_PASSED", set())
+    monkeypatch.setenv("HF_ONEBIT_KERNELS", "triton")
+    assert selftest.self_test("cpu", dtype) == "triton"

@@ -1,0 +1,98 @@
+"""Compile a kernel backend and check it bit for bit against the reference, before training needs it.
+
+The failure this prevents: Triton compiles a kernel the first time it runs, which for 1-bit Adam
+is the first compressing backward, possibly hours into a run. A missing C compiler, a Triton/driver
+mismatch or an out-of-memory there surfaced as a failed collective ("another rank has probably
+died"). :func:`self_test` runs the five operations of ``get_backend(device)`` on a small buffer of
+two simulated ranks, with one scale per chunk and with pieces, and compares every output with
+:mod:`hf_onebit.kernels.reference`: bits and unpacked values exactly, scales and error buffers to
+fp32 rounding (the reference sums squares in float64). :func:`hf_onebit.attach` calls it for the
+CUDA buckets; ``hf-onebit check`` for whatever device is there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_onebit.kernels import _ENV, get_backend
+from hf_onebit.kernels import reference as ref
+
+_PASSED: set[tuple[str, str, torch.dtype]] = set()
+
+
+class KernelSelfTestError(RuntimeError):
+    """The device's compression kernels failed to compile, to run, or to match the reference."""
+
+
+def _case(device: torch.device, dtype: torch.dtype):
+    """Two ranks' inputs: 200 elements (padding included), L = 256, chunks of C = 128, 2 pieces."""
+    g = torch.Generator().manual_seed(0)
+    xs = [(torch.randn(200, generator=g) * (1 + r)).to(dtype).to(device) for r in range(2)]
+    errors = [(torch.randn(256, generator=g) * 0.1).to(device) for _ in range(2)]
+    server_error = (torch.randn(128, generator=g) * 0.1).to(device)
+    return xs, errors, server_error
+
+
+def _run(kernels, device: torch.device, dtype: torch.dtype, bounds) -> dict:
+    """The compressed all-reduce of two simulated ranks through ``kernels``; every intermediate."""
+    xs, errors, server_error = _case(device, dtype)
+    worker_bounds = None if bounds is None else [0, 64, 256]
+    chunk_bounds = None if bounds is None else [0, 64, 128]
+    scales = torch.stack([kernels.worker_scale(x, e, bounds=worker_bounds) for x, e in zip(xs, errors)])
+    bits = []
+    for r, (x, e) in enumerate(zip(xs, errors)):
+        out = torch.empty(32, dtype=torch.uint8, device=device)
+        kernels.worker_pack(x, e, scales, r, out, bounds=worker_bounds)
+        bits.append(out)
+    # the server of chunk 0 receives both ranks' first 16 bytes (128 elements); its pieces are
+    # [0, 64) (the workers' piece 0) and [64, 128) (the start of their piece 1)
+    rows = torch.stack([b[:16] for b in bits])
+    row_scales = scales
+    t = kernels.server_scale(rows, row_scales, server_error, bounds=chunk_bounds)
+    packed = torch.empty(16, dtype=torch.uint8, device=device)
+    kernels.server_pack(rows, row_scales, server_error, t, packed, bounds=chunk_bounds)
+    out = torch.empty(128, dtype=dtype, device=device)
+    kernels.unpack_scaled(packed.reshape(1, 16), t.reshape(-1), out, bounds=chunk_bounds)
+    return {"worker scales": scales, "worker bits": torch.stack(bits), "worker errors": torch.stack(errors),
+            "server scale": t, "server bits": packed, "server error": server_error, "unpacked": out}
+
+
+def self_test(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """Check ``get_backend(device)`` against the reference for ``dtype`` inputs; returns its name.
+
+    Raises :class:`KernelSelfTestError` naming the way out (``HF_ONEBIT_KERNELS=reference``). A
+    backend that passed once for a (device, dtype) is not run again in this process.
+    """
+    device = torch.device(device)
+    kernels = get_backend(device)
+    name = kernels.__name__.rsplit(".", 1)[-1]
+    key = (name, str(device), dtype)
+    if name == "reference" or key in _PASSED:
+        return name
+    way_out = (f"Set {_ENV}=reference to train with the slow reference kernels while you fix it, or run"
+               " `hf-onebit check` for a report.")
+    for bounds in (None, "pieces"):
+        try:
+            got = _run(kernels, device, dtype, bounds)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - re-raised with what to do
+            raise KernelSelfTestError(
+                f"hf_onebit: the {name} compression kernels failed to compile or run on {device} for {dtype}"
+                f" buffers: {type(exc).__name__}: {exc}. Triton needs a working C compiler and a Triton"
+                f" that matches the driver. {way_out}"
+            ) from exc
+        want = _run(ref, device, dtype, bounds)
+        for what, a in got.items():
+            b = want[what]
+            exact = what.endswith("bits") or what == "unpacked"
+            same = torch.equal(a, b) if exact else torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
+            if not same:
+                raise KernelSelfTestError(
+                    f"hf_onebit: the {name} compression kernels disagree with the reference on {device} for"
+                    f" {dtype} buffers ({what}, {'one scale per chunk' if bounds is None else 'pieces'}):"
+                    f" a kernel bug or a miscompilation, please report it with `hf-onebit check`'s output."
+                    f" {way_out}"
+                )
+    _PASSED.add(key)
+    return name
