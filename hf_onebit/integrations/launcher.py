@@ -27,6 +27,7 @@ usage: hf-onebit run SCRIPT.py [ARGS ...]
        hf-onebit run -m MODULE [ARGS ...]
        python -m hf_onebit.run SCRIPT.py [ARGS ...]
        hf-onebit config --list | NAME [--write PATH]
+       hf-onebit check [--device cpu|cuda] [--no-train]
 
 run:    runs an unmodified transformers/accelerate script in this process with --optim onebit_adam,
         zeroone_adam, onebit_lamb and binsgdm available to the stock TrainingArguments and Trainer.
@@ -36,6 +37,8 @@ run:    runs an unmodified transformers/accelerate script in this process with -
           torchrun --nproc-per-node 2 -m hf_onebit.run SCRIPT.py --optim onebit_adam ...
 config: prints one of the Accelerate launch configs shipped with hf_onebit (--list: their names),
         or writes it to PATH.
+check:  the self-check to run first: kernels bit for bit against the reference, their speed against
+        copy_, a few DDP steps of each optimizer, host syncs on CUDA; prints a verdict.
 
 Started without the launcher, a stock script says
   error: argument --optim: invalid choice: 'onebit_adam' (choose from ...)
@@ -149,7 +152,7 @@ def config(argv: list) -> None:
 
 
 def main(argv=None) -> None:
-    """The ``hf-onebit`` console script: ``run`` and ``config``."""
+    """The ``hf-onebit`` console script: ``run``, ``config`` and ``check``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -157,6 +160,10 @@ def main(argv=None) -> None:
     if argv[0] == "config":
         config(argv[1:])
         return
+    if argv[0] == "check":
+        from hf_onebit.check import main as check
+
+        raise SystemExit(check(argv[1:]))
     if argv[0] != "run":
         raise SystemExit(f"hf-onebit: unknown command {argv[0]!r}\n\n{USAGE}")
     run(argv[1:])

@@ -1,0 +1,257 @@
+"""``hf-onebit check``: what a user runs first, on whatever they have (a CPU, one GPU, N GPUs).
+
+    hf-onebit check                        # this machine: CPU, or the current GPU
+    python -m hf_onebit.check --device cpu
+    torchrun --nproc-per-node 8 -m hf_onebit.check   # the launched world (NCCL on GPUs)
+
+It checks, in order, and prints one line each and a verdict:
+
+1. **kernels**: the device's compression kernels compile and match the reference bit for bit
+   (:func:`hf_onebit.kernels.selftest.self_test`, fp32/bf16/fp16 buckets);
+2. **speed**: compress (worker scale + pack) and decompress (unpack) of a ``--size`` fp32 buffer
+   against a device ``copy_`` of the same buffer (goals on a GPU: at most 2x and 1.5x);
+3. **training**: a few DDP steps of each optimizer, past its warmup, on the launched world or,
+   when started alone, on 2 spawned CPU (gloo) processes: finite parameters, every rank equal
+   (0/1 Adam: after a sync), fewer bytes than an fp32 all-reduce;
+4. **host syncs** (CUDA only): hook and step after the warmup under ``torch.cuda.set_sync_debug_mode("warn")``,
+   counted (known ones: issue 12, finding 4).
+
+Not measured yet: how much communication hides behind backward on NCCL (the hook has no
+communication stream yet; issue 12, finding 1). The line says so rather than guess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+OPTIMIZERS = ("onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Report:
+    """Lines of ``[what] ok|FAIL|skip  detail`` and the verdict."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.failed: list[str] = []
+        self.quiet = quiet
+
+    def line(self, what: str, status: str, detail: str) -> None:
+        if status == "FAIL":
+            self.failed.append(what)
+        if not self.quiet:
+            print(f"[{what:<8}] {status:<4}  {detail}", flush=True)
+
+
+# ---------------------------------------------------------------------------------- 1. kernels
+def check_kernels(device: torch.device, report: Report) -> None:
+    from hf_onebit.kernels.selftest import self_test
+
+    names = []
+    try:
+        for dtype in DTYPES:
+            names.append(self_test(device, dtype))
+    except Exception as exc:  # noqa: BLE001 - reported
+        report.line("kernels", "FAIL", str(exc))
+        return
+    report.line("kernels", "ok", f"{names[0]} kernels on {device}: bit for bit against the reference"
+                                 " (fp32, bf16, fp16 buckets; one scale per chunk and per piece)")
+
+
+# ---------------------------------------------------------------------------------- 2. speed
+def _time(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm (compiles)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def check_speed(device: torch.device, size: int, report: Report, repeats: int = 5) -> dict:
+    from hf_onebit.kernels import get_backend
+
+    kernels = get_backend(device)
+    x = torch.randn(size, device=device)
+    padded = -(-size // 64) * 64
+    error = torch.zeros(padded, device=device)
+    bits = torch.empty(padded // 8, dtype=torch.uint8, device=device)
+    out = torch.empty(size, device=device)
+    dst = torch.empty_like(x)
+
+    def compress():
+        s = kernels.worker_scale(x, error)
+        kernels.worker_pack(x, error, s.reshape(1), 0, bits)
+
+    def decompress():
+        kernels.unpack_scaled(bits.reshape(1, -1), torch.ones(1, device=device), out)
+
+    copy = _time(lambda: dst.copy_(x), device, repeats)
+    ratios = {"compress": _time(compress, device, repeats) / copy, "decompress": _time(decompress, device, repeats) / copy}
+    goal = " (goals on a GPU: <= 2x, <= 1.5x)" if device.type == "cuda" else " (no goal on CPU: memory-bound copy_ vs numba)"
+    status = "ok" if device.type != "cuda" or (ratios["compress"] <= 2 and ratios["decompress"] <= 1.5) else "FAIL"
+    report.line("speed", status, f"{size / 2**20:.0f}M fp32 on {device}: copy_ {1e3 * copy:.2f} ms; compress"
+                                 f" {ratios['compress']:.2f}x, decompress {ratios['decompress']:.2f}x of copy_{goal}")
+    return ratios
+
+
+# ---------------------------------------------------------------------------------- 3. training
+def _build(name: str, params):
+    import hf_onebit
+
+    if name == "onebit_adam":
+        return hf_onebit.OneBitAdam(params, lr=1e-3, freeze_step=2)
+    if name == "zeroone_adam":  # variance frozen after 2 steps, then a sync every 2 steps
+        return hf_onebit.ZeroOneAdam(params, lr=1e-3, var_freeze_step=2, local_step_scaler=1000, local_step_clipper=2)
+    if name == "onebit_lamb":
+        return hf_onebit.OneBitLamb(params, lr=1e-3, freeze_step=2)
+    return hf_onebit.BinSGDM(params, lr=1e-3)
+
+
+def train_each_optimizer(device: torch.device, steps: int = 6, sync_check: bool = False) -> dict:
+    """On an initialised process group: ``steps`` DDP steps of each optimizer; a result per name."""
+    import hf_onebit
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for name in OPTIMIZERS:
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)).to(device)
+            opt = _build(name, model.parameters())
+            ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=0.05)
+            hf_onebit.attach(ddp, opt)
+            g = torch.Generator().manual_seed(100 + rank)
+            syncs = 0
+            for step in range(1, steps + 1):
+                x = torch.randn(16, 64, generator=g).to(device)
+                watch = sync_check and device.type == "cuda" and step > 2  # past the warmup
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    if watch:
+                        torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        ddp(x).pow(2).mean().backward()
+                        opt.step()
+                    finally:
+                        if watch:
+                            torch.cuda.set_sync_debug_mode(0)
+                syncs += sum("synchroniz" in str(w.message) for w in caught)
+                opt.zero_grad(set_to_none=True)
+            flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+            everyone = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(everyone, flat)
+            same = all(torch.equal(everyone[0], e) for e in everyone)
+            stats = opt.onebit_stats()
+            results[name] = {"finite": bool(torch.isfinite(flat).all()), "same": same, "phase": stats["phase"],
+                             "ratio": stats["compression_ratio"], "syncs": syncs,
+                             "watched": sync_check and device.type == "cuda"}
+        except Exception:  # noqa: BLE001 - reported per optimizer
+            results[name] = {"error": traceback.format_exc(limit=3)}
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_worker(rank: int, world: int, port: int, steps: int, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        out = train_each_optimizer(torch.device("cpu"), steps)
+        if rank == 0:
+            queue.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def train_on_spawned_cpu_ranks(world: int = 2, steps: int = 6) -> dict:
+    """Started alone: run :func:`train_each_optimizer` on ``world`` spawned CPU (gloo) processes."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_spawned_worker, args=(world, _free_port(), steps, queue), nprocs=world, join=True,
+                       start_method="spawn")
+    return queue.get()
+
+
+def report_training(results: dict, where: str, report: Report) -> None:
+    for name, r in results.items():
+        if "error" in r:
+            report.line("train", "FAIL", f"{name} on {where}: {r['error'].strip().splitlines()[-1]}")
+            continue
+        problems = [w for w, bad in (("non-finite parameters", not r["finite"]),
+                                     ("ranks differ", not r["same"] and name != "zeroone_adam"),
+                                     ("nothing compressed", r["ratio"] <= 1.0)) if bad]
+        detail = f"{name} on {where}: phase {r['phase']}, {r['ratio']:.1f}x fewer bytes than fp32"
+        report.line("train", "FAIL" if problems else "ok", detail + (f": {', '.join(problems)}" if problems else ""))
+        if r.get("syncs"):
+            report.line("syncs", "FAIL", f"{name}: {r['syncs']} host synchronisations in hook and step after the warmup")
+        elif "syncs" in r and r.get("watched"):
+            report.line("syncs", "ok", f"{name}: no host synchronisation in hook and step after the warmup")
+
+
+# ---------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-onebit check", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="cpu or cuda[:k] (default: the GPU if there is one)")
+    parser.add_argument("--size", type=int, default=1 << 24, help="elements of the timed buffer (default 16M)")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per optimizer")
+    parser.add_argument("--no-train", action="store_true", help="only the kernels and their speed")
+    args = parser.parse_args(argv)
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.device is None:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        args.device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    report = Report(quiet=not rank0)
+    if rank0:
+        print(f"hf-onebit check: torch {torch.__version__}, device {device}"
+              f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}", flush=True)
+    check_kernels(device, report)
+    check_speed(device, args.size, report)
+    if not args.no_train:
+        if launched:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            try:
+                results = train_each_optimizer(device, args.steps, sync_check=True)
+                report_training(results, f"{dist.get_world_size()} launched ranks ({dist.get_backend()})", report)
+            finally:
+                dist.destroy_process_group()
+        else:
+            report_training(train_on_spawned_cpu_ranks(2, args.steps), "2 spawned CPU ranks (gloo)", report)
+            if device.type == "cuda":
+                report.line("syncs", "skip", "needs the launched CUDA world: torchrun --nproc-per-node N -m hf_onebit.check"
+                                             " (one GPU cannot host two NCCL ranks)")
+    if device.type != "cuda":
+        report.line("syncs", "skip", "host syncs are a CUDA matter; nothing to check on CPU")
+    report.line("overlap", "skip", "not measured yet: the NCCL path has no communication stream (issue 12, finding 1)")
+    if rank0:
+        print("verdict: " + ("OK" if not report.failed else "FAILED: " + ", ".join(dict.fromkeys(report.failed))),
+              flush=True)
+    return 0 if not report.failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
