@@ -5,9 +5,10 @@ is the first compressing backward, possibly hours into a run. A missing C compil
 mismatch or an out-of-memory there surfaced as a failed collective ("another rank has probably
 died"). :func:`self_test` runs the five operations of ``get_backend(device)`` on a small buffer of
 two simulated ranks, with one scale per chunk and with pieces, and compares every output with
-:mod:`hf_onebit.kernels.reference`: bits and unpacked values exactly, scales and error buffers to
-fp32 rounding (the reference sums squares in float64). :func:`hf_onebit.attach` calls it for the
-CUDA buckets; ``hf-onebit check`` for whatever device is there.
+:mod:`hf_onebit.kernels.reference`: bits, the server average (defined with its summation order)
+and unpacked values exactly; scales and error buffers to fp32 rounding (the reference sums squares
+in float64). :func:`hf_onebit.attach` calls it for the CUDA buckets; ``hf-onebit check`` for
+whatever device is there.
 """
 
 from __future__ import annotations
@@ -48,13 +49,14 @@ def _run(kernels, device: torch.device, dtype: torch.dtype, bounds) -> dict:
     # [0, 64) (the workers' piece 0) and [64, 128) (the start of their piece 1)
     rows = torch.stack([b[:16] for b in bits])
     row_scales = scales
+    average = kernels.server_average(rows, row_scales, bounds=chunk_bounds)
     t = kernels.server_scale(rows, row_scales, server_error, bounds=chunk_bounds)
     packed = torch.empty(16, dtype=torch.uint8, device=device)
     kernels.server_pack(rows, row_scales, server_error, t, packed, bounds=chunk_bounds)
     out = torch.empty(128, dtype=dtype, device=device)
     kernels.unpack_scaled(packed.reshape(1, 16), t.reshape(-1), out, bounds=chunk_bounds)
     return {"worker scales": scales, "worker bits": torch.stack(bits), "worker errors": torch.stack(errors),
-            "server scale": t, "server bits": packed, "server error": server_error, "unpacked": out}
+            "server average": average, "server scale": t, "server bits": packed, "server error": server_error, "unpacked": out}
 
 
 def self_test(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
@@ -85,7 +87,7 @@ def self_test(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
         want = _run(ref, device, dtype, bounds)
         for what, a in got.items():
             b = want[what]
-            exact = what.endswith("bits") or what == "unpacked"
+            exact = what.endswith("bits") or what in ("server average", "unpacked")  # defined exactly
             same = torch.equal(a, b) if exact else torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
             if not same:
                 raise KernelSelfTestError(
