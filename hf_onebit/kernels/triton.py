@@ -176,7 +176,7 @@ def _server_mean(bits_ptr, scales_ptr, byte, byte_ok, n, row_bytes, BLOCK: tl.co
         acc += tl.where(_unpack_bytes(packed), s, -s)
         row_ptr += row_bytes
     # IEEE division: Triton's `/` is approximate on NVIDIA (see module docstring).
-    return tl.math.div_rn(acc, tl.full([], n, tl.float32))
+    return tl.math.div_rn(acc, tl.full(acc.shape, n, tl.float32))  # same shape: older Triton does not broadcast here
 
 
 @triton.jit
@@ -358,7 +358,7 @@ def _server_mean_pieces(bits_ptr, scales_ptr, p, P, byte, byte_ok, n, row_bytes,
         s = tl.load(scales_ptr + i * P + p)
         acc += tl.where(_unpack_bytes(packed), s, -s)
         row_ptr += row_bytes
-    return tl.math.div_rn(acc, tl.full([], n, tl.float32))
+    return tl.math.div_rn(acc, tl.full(acc.shape, n, tl.float32))  # same shape: older Triton does not broadcast here
 
 
 @triton.jit

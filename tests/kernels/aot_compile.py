@@ -9,7 +9,8 @@ before it reaches a driver: each caught launch gives the kernel, its argument ty
 ``GPUTarget("cuda", sm, 32)`` down to a cubin (PTX, then the ptxas Triton ships). Run without
 ``TRITON_INTERPRET`` (the interpreter replaces the JIT functions). What this proves: the kernels
 type-check, lower and assemble for sm_80 and sm_90; not that they run correctly there (that
-needs a GPU: ``hf-onebit check``).
+needs a GPU: ``hf-onebit check``), and that no kernel divides approximately (``div.full.f32``:
+Triton's ``/`` on NVIDIA), which would change bits against the reference.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def main(archs: list[int]) -> int:
                 compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                           target=GPUTarget("cuda", cc, 32), options=options)
                 size = len(compiled.asm["cubin"])
+                approximate = [op for op in ("div.full.f32", "div.approx.f32") if op in compiled.asm["ptx"]]
+                if approximate:  # the reference divides in IEEE: an approximate division changes bits
+                    raise ValueError(f"approximate division in the PTX: {approximate}")
                 print(f"sm_{cc} ok    {fn.__name__} {dict(constexprs)} {options}: cubin {size} bytes")
             except Exception as exc:  # noqa: BLE001 - reported, counted
                 failed += 1
