@@ -434,8 +434,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
         n = self.world_size
         self.comm_stats.record(CommRecord(2 * (n - 1) * 4 // n, 2 * (n - 1) * 4 // n, 1, 0, 1))
-        if bool(flag):
-            buffer.fill_(float("nan"))
+        # poison on the device (a 1-element mask broadcast over the bucket): no host round trip
+        buffer.masked_fill_(flag.bool(), float("nan"))
         return buffer
 
     def reduce_bucket_custom(self, plan, key, params, buffer, grads) -> torch.futures.Future:
