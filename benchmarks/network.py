@@ -437,8 +437,8 @@ def onebit_optimizer(method: str, params, args, freeze: int):
                                      local_step_clipper=16, **extra)
     if method == "onebit_lamb":
         return hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=freeze, **extra)
-    if method == "binsgdm":
-        return hf_onebit.BinSGDM(params, lr=args.lr, **extra)
+    if method == "binsgdm":  # its vote sends signs only: there is no scale to take per tensor
+        return hf_onebit.BinSGDM(params, lr=args.lr, **{k: v for k, v in extra.items() if k != "scale_per_tensor"})
     raise ValueError(method)
 
 
