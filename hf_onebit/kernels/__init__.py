@@ -17,7 +17,6 @@ import torch
 
 BACKENDS = ("reference", "cpu", "triton")
 ENV_VAR = "HF_ONEBIT_KERNELS"  # forces a backend: reference | cpu | triton
-_ENV = ENV_VAR
 
 
 def load_backend(name: str) -> ModuleType:
@@ -33,7 +32,7 @@ def get_backend(device: torch.device | str) -> ModuleType:
     CPU tensors use the numba path, CUDA tensors the Triton kernels. The environment variable
     ``HF_ONEBIT_KERNELS`` forces a backend (e.g. ``reference`` to debug a suspected kernel bug).
     """
-    forced = os.environ.get(_ENV)
+    forced = os.environ.get(ENV_VAR)
     if forced:
         return load_backend(forced)
     device = torch.device(device)
@@ -43,5 +42,5 @@ def get_backend(device: torch.device | str) -> ModuleType:
         return load_backend("triton")
     raise ValueError(
         f"hf_onebit has no compression kernels for device type {device.type!r} (cpu and cuda are"
-        f" supported); set {_ENV}=reference to run the slow reference kernels on it"
+        f" supported); set {ENV_VAR}=reference to run the slow reference kernels on it"
     )

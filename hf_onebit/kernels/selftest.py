@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_onebit.kernels import _ENV, get_backend
+from hf_onebit.kernels import ENV_VAR, get_backend
 from hf_onebit.kernels import reference as ref
 
 _PASSED: set[tuple[str, str, torch.dtype]] = set()
@@ -71,7 +71,7 @@ def self_test(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
     key = (name, str(device), dtype)
     if name == "reference" or key in _PASSED:
         return name
-    way_out = (f"Set {_ENV}=reference to train with the slow reference kernels while you fix it, or run"
+    way_out = (f"Set {ENV_VAR}=reference to train with the slow reference kernels while you fix it, or run"
                " `hf-onebit check` for a report.")
     for bounds in (None, "pieces"):
         try:
