@@ -3,6 +3,8 @@
     python recipes/stock_table.py                       # AdamW and the four optimizers, seed 42
     python recipes/stock_table.py --seeds 42 43 44 --only adamw_torch binsgdm
     python recipes/stock_table.py --summarize           # the table from the results already written
+    python recipes/stock_table.py --dataset tweets --seeds 42 43    # another embedded task
+    python recipes/stock_table.py --freeze 48 --only onebit_adam    # the published 20% freeze, fixed
 
 Each run is ``accelerate launch --config_file <cpu_2proc> -m hf_onebit.run
 recipes/stock_classification.py`` on the GLUE recipe's default task (Rotten Tomatoes, the files
@@ -10,6 +12,12 @@ recipes/stock_classification.py`` on the GLUE recipe's default task (Rotten Toma
 optimizer except ``--optim``: no ``--optim_args``, no learning rate, no clipping setting. Only the
 budget is fixed (240 steps of 2 x 16 examples, as the recipe's quick budget) and the seed. What
 each hf_onebit optimizer needs is supplied by the launcher (``hf_onebit.integrations.defaults``).
+
+``--dataset tweets`` / ``bbc_news`` runs the same command on another embedded task (results under
+``outputs/stock_table/<dataset>/``). ``--freeze N`` adds ``--optim_args freeze_step=N`` for the
+optimizers with a warmup (1-bit Adam, 0/1 Adam, 1-bit LAMB): a fixed freeze instead of the automatic
+one (run directories ``<optim>-freezeN-seed<S>``); the command line is then still the same for
+every optimizer except ``--optim``.
 
 Results land in ``outputs/stock_table/<optim>-seed<N>/all_results.json`` (written by the stock
 ``Trainer.save_metrics``) with the run's log beside it; the table (markdown) is printed and
@@ -38,11 +46,25 @@ BUDGET = ["--max_steps", "240", "--per_device_train_batch_size", "16", "--per_de
 DECISIONS = re.compile(r"(auto freeze chose.*|hf_onebit: --\S+ \S+ for --optim.*?\))")
 
 
-def data_files() -> dict:
+#: optimizers that take a freeze step (BinSGDM has no warmup; AdamW no phases)
+FREEZES = ("onebit_adam", "zeroone_adam", "onebit_lamb")
+
+
+def data_files(dataset: str | None = None) -> dict:
     sys.path.insert(0, str(REPO / "recipes" / "glue"))
     import glue_data
 
-    return glue_data.build_embedded()["files"]
+    return glue_data.build_embedded(dataset=dataset or glue_data.EMBEDDED)["files"]
+
+
+def run_name(optim: str, seed: int, freeze: int | None = None) -> str:
+    """``<optim>[-freezeN]-seed<S>``: a fixed freeze only for the optimizers that have one."""
+    tag = f"-freeze{freeze}" if freeze is not None and optim in FREEZES else ""
+    return f"{optim}{tag}-seed{seed}"
+
+
+def freeze_args(optim: str, freeze: int | None) -> list[str]:
+    return ["--optim_args", f"freeze_step={freeze}"] if freeze is not None and optim in FREEZES else []
 
 
 def model_path() -> str:
@@ -74,8 +96,8 @@ def run_one(optim: str, seed: int, out: Path, files: dict, model: str, budget: l
     return result
 
 
-def summary(out: Path, optim: str, seed: int) -> dict | None:
-    f = out / f"{optim}-seed{seed}" / "all_results.json"
+def summary(out: Path, optim: str, seed: int, freeze: int | None = None) -> dict | None:
+    f = out / run_name(optim, seed, freeze) / "all_results.json"
     if not f.is_file():
         return None
     r = json.loads(f.read_text())
@@ -85,14 +107,14 @@ def summary(out: Path, optim: str, seed: int) -> dict | None:
             "decisions": sorted({m.group(1).strip() for m in DECISIONS.finditer(log)})}
 
 
-def table(out: Path, seeds: list[int]) -> str:
+def table(out: Path, seeds: list[int], freeze: int | None = None) -> str:
     rows = ["| --optim | " + " | ".join(f"seed {s}" for s in seeds) + " | mean dev accuracy | Δ vs AdamW (points)"
             " | whole-run ratio vs fp32 all-reduce | goal (within 1 point; ratio ≥ 1.5x, BinSGDM ≥ 10x) |",
             "|---|" + "---|" * len(seeds) + "---|---|---|---|"]
     base = None
     notes = []
     for optim in OPTIMS:
-        got = {s: summary(out, optim, s) for s in seeds}
+        got = {s: summary(out, optim, s, freeze) for s in seeds}
         accs = [g["accuracy"] for g in got.values() if g]
         if not accs:
             continue
@@ -120,23 +142,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=None, choices=OPTIMS, help="optimizers to run (default: all)")
     parser.add_argument("--seeds", nargs="*", type=int, default=[42])
+    parser.add_argument("--dataset", default=None, choices=["rotten_tomatoes", "tweets", "bbc_news"],
+                        help="embedded task (default: the recipe's, Rotten Tomatoes)")
+    parser.add_argument("--freeze", type=int, default=None,
+                        help="fixed freeze step for 1-bit Adam, 0/1 Adam, 1-bit LAMB (default: the automatic one)")
     parser.add_argument("--out", default=str(REPO / "outputs" / "stock_table"))
     parser.add_argument("--summarize", action="store_true", help="only print the table of existing results")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.dataset not in (None, "rotten_tomatoes"):
+        out = out / args.dataset
     if not args.summarize:
-        files, model = data_files(), model_path()
+        files, model = data_files(args.dataset), model_path()
         for seed in args.seeds:
             for optim in args.only or OPTIMS:
                 print(f"[{time.strftime('%H:%M:%S')}] {optim} seed {seed} (load {os.getloadavg()[0]:.1f})", flush=True)
-                r = run_one(optim, seed, out / f"{optim}-seed{seed}", files, model)
+                r = run_one(optim, seed, out / run_name(optim, seed, args.freeze), files, model,
+                            [*BUDGET, *freeze_args(optim, args.freeze)])
                 print(f"    dev accuracy {100 * r['eval_accuracy']:.1f}  loss {r['eval_loss']:.3f}"
                       f"  ratio {float(r.get('onebit/ratio_vs_ddp', 1.0)):.2f}x  wall {r['wall_seconds']:.0f} s",
                       flush=True)
-    text = table(out, args.seeds)
+    text = table(out, args.seeds, args.freeze)
     print(text)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(text + "\n")
+    (out / ("table.md" if args.freeze is None else f"table-freeze{args.freeze}.md")).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -35,3 +35,12 @@ def test_binsgdm_at_the_stock_defaults_compresses_and_gets_the_launchers_setting
     assert "hf_onebit: --max_grad_norm 0 for --optim binsgdm (was 1.0)" in row["decisions"]
     table = stock_table.table(out, [42])
     assert "| binsgdm |" in table and "32.0x" in table
+
+
+def test_a_fixed_freeze_is_passed_only_to_the_optimizers_with_a_warmup():
+    assert stock_table.freeze_args("onebit_lamb", 48) == ["--optim_args", "freeze_step=48"]
+    assert stock_table.freeze_args("binsgdm", 48) == stock_table.freeze_args("adamw_torch", 48) == []
+    assert stock_table.freeze_args("onebit_adam", None) == []
+    # AdamW and BinSGDM share their runs with the automatic-freeze table: one baseline per seed
+    assert stock_table.run_name("zeroone_adam", 43, 48) == "zeroone_adam-freeze48-seed43"
+    assert stock_table.run_name("binsgdm", 43, 48) == stock_table.run_name("binsgdm", 43) == "binsgdm-seed43"
