@@ -14,10 +14,9 @@ It checks, in order, and prints one line each and a verdict:
    when started alone, on 2 spawned CPU (gloo) processes: finite parameters, every rank equal
    (0/1 Adam: after a sync), fewer bytes than an fp32 all-reduce;
 4. **host syncs** (CUDA only): hook and step after the warmup under ``torch.cuda.set_sync_debug_mode("warn")``,
-   counted (known ones: issue 12, finding 4).
-
-Not measured yet: how much communication hides behind backward on NCCL (the hook has no
-communication stream yet; issue 12, finding 1). The line says so rather than guess.
+   counted;
+5. **overlap**: how much of the hook's communication hides behind backward, on the same world
+   (:func:`measure_overlap`).
 """
 
 from __future__ import annotations
@@ -165,6 +164,90 @@ def train_each_optimizer(device: torch.device, steps: int = 6, sync_check: bool 
     return results
 
 
+# ---------------------------------------------------------------------------------- 5. overlap
+def measure_overlap(device: torch.device, rounds: int = 5, width: int = 1024, layers: int = 6) -> dict:
+    """The share of the hook's communication that hides behind backward (1-bit Adam, compressing).
+
+    Three ways of running forward + backward of one MLP, interleaved ``rounds`` times (medians):
+
+    * ``compute``: under ``ddp.no_sync()``: no hook, no communication;
+    * ``overlapped``: as in training: each bucket's exchange starts when its gradients are ready
+      and runs while backward goes on;
+    * ``serial``: the same, but the hook waits for each bucket's exchange before backward may go
+      on (on CUDA: the device too), so nothing overlaps.
+
+    ``serial - compute`` is the communication's cost, ``overlapped - compute`` what of it still
+    shows: hidden = ``(serial - overlapped) / (serial - compute)``, clamped to [0, 1]. Every
+    synced backward is followed by ``step()`` (outside the timing), as in training.
+    """
+    import statistics
+    from contextlib import nullcontext
+
+    import hf_onebit
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-5, freeze_step=1)
+    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=4 * width * width / 2**20)
+    hf_onebit.attach(ddp, opt)
+    x = torch.randn(64, width, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
+    hooked = opt.reduce_bucket
+
+    def waiting_hook(params, buffer, grads):
+        fut = hooked(params, buffer, grads)
+        fut.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return fut
+
+    def timed(mode: str) -> float:
+        if mode == "serial":
+            opt.reduce_bucket = waiting_hook  # the hook calls optimizer.reduce_bucket
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        with ddp.no_sync() if mode == "compute" else nullcontext():
+            ddp(x).pow(2).mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        took = time.perf_counter() - start
+        opt.__dict__.pop("reduce_bucket", None)
+        if mode != "compute":
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return took
+
+    for mode in ("overlapped", "overlapped", "overlapped", "compute", "serial"):  # warmup, freeze, buckets rebuilt
+        timed(mode)
+    times: dict = {"compute": [], "overlapped": [], "serial": []}
+    for _ in range(rounds):
+        for mode in times:
+            times[mode].append(timed(mode))
+    med = {mode: statistics.median(v) for mode, v in times.items()}
+    comm = med["serial"] - med["compute"]
+    hidden = min(max((med["serial"] - med["overlapped"]) / comm, 0.0), 1.0) if comm > 0 else float("nan")
+    return {**{f"{k}_ms": 1e3 * v for k, v in med.items()}, "hidden": hidden, "phase": opt.phase(),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def report_overlap(r: dict, where: str, report: Report) -> None:
+    if "error" in r:
+        report.line("overlap", "FAIL", f"on {where}: {r['error'].strip().splitlines()[-1]}")
+        return
+    report.line("overlap", "ok", f"{100 * r['hidden']:.0f}% of the communication hides behind backward on {where}"
+                                 f" (1-bit Adam, {r['params'] / 1e6:.1f}M parameters; backward {r['compute_ms']:.0f} ms"
+                                 f" alone, {r['overlapped_ms']:.0f} ms with the hook, {r['serial_ms']:.0f} ms serialised)")
+
+
+def _overlap_or_error(device: torch.device) -> dict:
+    try:
+        return measure_overlap(device)
+    except Exception:  # noqa: BLE001 - reported
+        return {"error": traceback.format_exc(limit=3)}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -175,7 +258,7 @@ def _spawned_worker(rank: int, world: int, port: int, steps: int, queue) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        out = train_each_optimizer(torch.device("cpu"), steps)
+        out = {"train": train_each_optimizer(torch.device("cpu"), steps), "overlap": _overlap_or_error(torch.device("cpu"))}
         if rank == 0:
             queue.put(out)
     finally:
@@ -183,7 +266,8 @@ def _spawned_worker(rank: int, world: int, port: int, steps: int, queue) -> None
 
 
 def train_on_spawned_cpu_ranks(world: int = 2, steps: int = 6) -> dict:
-    """Started alone: run :func:`train_each_optimizer` on ``world`` spawned CPU (gloo) processes."""
+    """Started alone: :func:`train_each_optimizer` and :func:`measure_overlap` on ``world`` spawned
+    CPU (gloo) processes; ``{"train": ..., "overlap": ...}`` of rank 0."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -236,17 +320,22 @@ def main(argv=None) -> int:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
             try:
                 results = train_each_optimizer(device, args.steps, sync_check=True)
-                report_training(results, f"{dist.get_world_size()} launched ranks ({dist.get_backend()})", report)
+                where = f"{dist.get_world_size()} launched ranks ({dist.get_backend()})"
+                report_training(results, where, report)
+                report_overlap(_overlap_or_error(device), where, report)
             finally:
                 dist.destroy_process_group()
         else:
-            report_training(train_on_spawned_cpu_ranks(2, args.steps), "2 spawned CPU ranks (gloo)", report)
+            spawned = train_on_spawned_cpu_ranks(2, args.steps)
+            report_training(spawned["train"], "2 spawned CPU ranks (gloo)", report)
+            report_overlap(spawned["overlap"], "2 spawned CPU ranks (gloo)", report)
             if device.type == "cuda":
                 report.line("syncs", "skip", "needs the launched CUDA world: torchrun --nproc-per-node N -m hf_onebit.check"
                                              " (one GPU cannot host two NCCL ranks)")
     if device.type != "cuda":
         report.line("syncs", "skip", "host syncs are a CUDA matter; nothing to check on CPU")
-    report.line("overlap", "skip", "not measured yet: the NCCL path has no communication stream (issue 12, finding 1)")
+    if args.no_train:
+        report.line("overlap", "skip", "needs training (without --no-train)")
     if rank0:
         print("verdict: " + ("OK" if not report.failed else "FAILED: " + ", ".join(dict.fromkeys(report.failed))),
               flush=True)

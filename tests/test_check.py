@@ -17,7 +17,20 @@ def test_the_check_passes_on_this_machine_and_trains_every_optimizer():
     assert "[kernels ] ok" in out and "verdict: OK" in out
     for name in check.OPTIMIZERS:
         assert f"[train   ] ok    {name} on 2 spawned CPU ranks (gloo)" in out, out
-    assert "[overlap ] skip" in out  # not claimed
+    overlap = next(line for line in out.splitlines() if line.startswith("[overlap ]"))
+    assert overlap.startswith("[overlap ] ok") and "% of the communication hides behind backward" in overlap, out
+    assert 0 <= int(overlap.split()[3].rstrip("%")) <= 100
+
+
+def test_the_overlap_figure_follows_from_the_three_timings(capsys):
+    report = check.Report()
+    check.report_overlap({"compute_ms": 100.0, "overlapped_ms": 130.0, "serial_ms": 180.0, "hidden": 0.625,
+                          "phase": "compression", "params": 6_300_000}, "2 ranks", report)
+    check.report_overlap({"error": "Traceback ...\nRuntimeError: boom"}, "2 ranks", report)
+    out = capsys.readouterr().out
+    assert "[overlap ] ok    62% of the communication hides behind backward on 2 ranks" in out
+    assert "backward 100 ms alone, 130 ms with the hook, 180 ms serialised" in out
+    assert "[overlap ] FAIL  on 2 ranks: RuntimeError: boom" in out and report.failed == ["overlap"]
 
 
 def test_a_broken_kernel_fails_the_verdict(monkeypatch, capsys):

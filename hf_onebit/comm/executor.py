@@ -16,10 +16,18 @@ The executor is chosen by the device of the tensors (not by the backend's name, 
   order on every rank, so every rank issues the same sequence. The caller gets a
   :class:`torch.futures.Future` at once; backward continues on the main thread meanwhile (the
   numba kernels and gloo release the GIL).
-* :class:`InlineExecutor` (CUDA tensors, NCCL): NCCL collectives and Triton kernels are enqueued on CUDA
-  streams and never block the host, so the job runs right away on the calling thread; its
-  order on the stream is the submission order. The returned future is CUDA-aware
-  (``devices=[...]``), so whoever waits on it synchronises its stream, not the host.
+* :class:`StreamExecutor` (CUDA tensors, NCCL): NCCL collectives and Triton kernels are enqueued on
+  CUDA streams and never block the host, so the job runs right away on the calling thread, in
+  submission order. It runs on a *side stream* of its own, one per (group, device), not on the
+  compute stream: enqueued on the compute stream, a bucket's kernels and its rounds of
+  collectives would sit in front of every backward kernel issued after them, and backward of the
+  remaining layers would wait for each bucket's exchange (no overlap, slower than stock DDP, whose
+  all-reduce runs on NCCL's own stream). The side stream first waits for the compute stream (the
+  bucket's gradients, and the previous ``step()``'s writes to optimizer state, are then ready); the
+  bucket's memory is marked as used on the side stream (``record_stream``), so the caching allocator
+  cannot hand it to the compute stream while the exchange still reads it. The returned future is
+  CUDA-aware (``devices=[...]``) and completed on the side stream: whoever waits on it (DDP's end of
+  backward, 0/1 Adam's ``step()``) makes *its* stream wait for the exchange, never the host.
 """
 
 from __future__ import annotations
@@ -35,23 +43,45 @@ import torch.distributed as dist
 Job = Callable[[], Any]
 
 
-class InlineExecutor:
-    """Run each job immediately on the calling thread (stream-ordered backends like NCCL)."""
+class StreamExecutor:
+    """Run each job at once on the calling thread, on a CUDA side stream (stream-ordered NCCL).
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device
+    The stream is created on first use, so that choosing an executor needs no CUDA context.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.stream: Any = None
 
     def submit(self, job: Job) -> torch.futures.Future:
-        devices = [self.device] if self.device is not None and self.device.type == "cuda" else None
-        fut: torch.futures.Future = torch.futures.Future(devices=devices)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.device)
+        fut: torch.futures.Future = torch.futures.Future(devices=[self.device])
+        # Order after everything the compute stream has queued so far: the bucket's gradients,
+        # and the optimizer state that the last step() wrote.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            fut.set_result(job())
+            with torch.cuda.stream(self.stream):
+                result = job()
+                for t in _tensors(result):  # DDP may free a bucket while the side stream reads it
+                    t.record_stream(self.stream)
+                # Inside the stream context: the future records its completion event on the side
+                # stream, and a waiter's stream then waits for that event.
+                fut.set_result(result)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             fut.set_exception(exc)
         return fut
 
     def shutdown(self) -> None:
         pass
+
+
+def _tensors(value: Any) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_cuda else []
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 class ThreadExecutor:
@@ -104,7 +134,7 @@ _LOCK = threading.Lock()
 def executor_for(group: dist.ProcessGroup | None = None, device: torch.device | str | None = None):
     """The executor shared by every hf_onebit collective on ``group`` for tensors on ``device``.
 
-    CUDA tensors get an :class:`InlineExecutor` (one per CUDA device), anything else (CPU, or
+    CUDA tensors get a :class:`StreamExecutor` (one per CUDA device and group), anything else (CPU, or
     no device given) the group's :class:`ThreadExecutor`; created on first use.
     """
     group = group if group is not None else dist.group.WORLD
@@ -115,7 +145,7 @@ def executor_for(group: dist.ProcessGroup | None = None, device: torch.device | 
         if entry is None:
             if not inline and not any(isinstance(e, ThreadExecutor) for _, e in _EXECUTORS.values()):
                 atexit.register(release_at_exit)
-            executor: Any = InlineExecutor(torch.device(device)) if inline else ThreadExecutor()
+            executor: Any = StreamExecutor(torch.device(device)) if inline else ThreadExecutor()
             entry = _EXECUTORS[key] = (group, executor)
         return entry[1]
 

@@ -28,7 +28,8 @@ pass would need a grid-wide barrier plus a collective in the middle of a kernel.
 Why no host sync: the "are all scales finite?" decision is taken *inside* the kernels. Each
 program loads the ``n`` scales (``n`` is the world size, tiny), computes the flag and uses it
 as a store mask for the error. Nothing ever calls ``.item()``/``bool()`` on a device tensor, so
-the whole compressed all-reduce stays queued on the CUDA stream and overlaps with backward.
+the whole compressed all-reduce stays queued on the executor's side stream
+(:class:`hf_onebit.comm.executor.StreamExecutor`) and overlaps with backward on the compute stream.
 
 Server side, again two passes (scale, then pack) over ``n`` rows of received bits plus the
 server error, for the same reason. The average ``a = (Σ_i s_i·sign⁺_i) / n`` is recomputed in

@@ -21,7 +21,8 @@ def test_executor_follows_the_device_not_the_backend_name(monkeypatch):
         assert isinstance(cpu, ex.ThreadExecutor)
         assert ex.executor_for(group, None) is cpu and ex.executor_for(group, "cpu") is cpu
         cuda = ex.executor_for(group, torch.device("cuda", 1))
-        assert isinstance(cuda, ex.InlineExecutor) and cuda.device == torch.device("cuda", 1)
+        assert isinstance(cuda, ex.StreamExecutor) and cuda.device == torch.device("cuda", 1)
+        assert cuda.stream is None  # choosing an executor creates no CUDA context
         assert ex.executor_for(group, "cuda:1") is cuda
         assert ex.executor_for(group, torch.device("cuda", 0)) is not cuda
     finally:
@@ -108,3 +109,30 @@ def test_the_first_thread_executor_registers_an_exit_handler_that_tears_the_grou
     """Stock scripts exit with the gloo group alive; its C++ threads then abort the process at times."""
     for out in run_distributed(_released_at_exit, 2):
         assert out == dict(total=[3.0, 3.0, 3.0], thread_alive=False, initialized=False, executors=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams need a GPU")
+def test_cuda_jobs_run_on_a_side_stream_and_waiters_sync_on_the_device():
+    """A bucket's job runs on the executor's own stream, after what the compute stream queued;
+    whoever waits on the future gets the job's result on its own stream, without a host sync."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    executor = ex.StreamExecutor(device)
+    compute = torch.cuda.current_stream(device)
+    bucket = torch.zeros(1 << 22, device=device)
+    seen = {}
+
+    def job():
+        seen["stream"] = torch.cuda.current_stream(device)
+        return bucket.add_(1.0).mul_(3.0)  # must see the fill_ queued on the compute stream below
+
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy: the side stream must wait for it
+    bucket.fill_(2.0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fut = executor.submit(job)
+        out = fut.wait()  # a CUDA-aware future: the compute stream waits, the host does not
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert seen["stream"] == executor.stream and seen["stream"] != compute
+    assert out is bucket
+    assert torch.equal(bucket, torch.full_like(bucket, 9.0))
