@@ -402,7 +402,7 @@ def build_method(method: str, model, args):
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                                start_powerSGD_iter=max(2, f))
+                                                start_powerSGD_iter=max(2, f if f != "auto" else round(0.2 * args.steps)))
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             counter = AllReduceCounter()
         else:
@@ -548,7 +548,7 @@ def run_method(method: str, model_fn, batches, args) -> dict:
         lo0 = _read_lo_tx() if rank == 0 else None
         t0 = time.perf_counter()
         for step, batch in enumerate(batches, start=1):
-            phase = opt.phase() if hasattr(opt, "phase") else ("warmup" if step <= args.freeze else "steady")
+            phase = opt.phase() if hasattr(opt, "phase") else ("warmup" if step <= _window_freeze(args) else "steady")
             ta = time.perf_counter()
             loss = ddp(*batch)
             tb = time.perf_counter()
@@ -699,7 +699,7 @@ def summarize(raw: dict, args, world: int, target: float | None) -> dict:
 def _summarize(methods: dict, args, world: int, target: float | None) -> dict:
     """Per-method figures from the per-step records of every rank (one repeat)."""
     n = args.steps
-    first = min(args.freeze + 3, n)  # first step of the compression-phase window
+    first = min(_window_freeze(args) + 3, n)  # first step of the compression-phase window
     gb = world * args.batch
     rows = {}
     for method, res in methods.items():
@@ -1140,13 +1140,28 @@ def worker_args(args) -> list[str]:
             *(["--onebit-args", args.onebit_args] if args.onebit_args else []), "--methods", *args.methods]
 
 
+def _freeze_arg(value: str):
+    return "auto" if value == "auto" else int(value)
+
+
+def _window_freeze(args) -> int:
+    """The freeze step that the timing window starts from: under ``auto`` the latest it can be."""
+    if args.freeze != "auto":
+        return args.freeze
+    from hf_onebit.optim.freeze import AutoFreeze
+
+    return AutoFreeze.for_run(args.steps).max_step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "unlimited"],
                         help="tc rates (e.g. 100mbit, 1gbit) or 'unlimited'")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--freeze", type=int, default=8, help="warmup/freeze steps (default 20%% of 40)")
+    parser.add_argument("--freeze", type=_freeze_arg, default=8,
+                        help="warmup/freeze steps (default 20%% of 40), or 'auto': the automatic freeze with the"
+                             " bounds the HF integration fits to the run (10-40%% of --steps)")
     parser.add_argument("--model", choices=["minilm", "scratch"], default="minilm",
                         help="minilm: fine-tune the pretrained encoder (sentiment); scratch: BERT from a config, MLM")
     parser.add_argument("--batch", type=int, default=8, help="examples (minilm) or blocks (scratch) per rank per step")
@@ -1219,7 +1234,7 @@ def main() -> None:
         for p in make_plots(results, args.plot_dir or Path("docs/img")):
             print(f"wrote {p}")
         return
-    if args.freeze + 3 > args.steps:
+    if _window_freeze(args) + 3 > args.steps:
         raise SystemExit("--steps must exceed --freeze + 2 (the compression-phase window starts at freeze + 3)")
     bits = {r: parse_rate(r) for r in args.rates}
     ns = Namespaces()
