@@ -99,7 +99,6 @@ def attach(
         )
     if not isinstance(optimizer, OneBitOptimizer):
         raise TypeError(f"hf_onebit.attach needs an hf_onebit optimizer, got {type(optimizer).__name__}")
-    model_params = [p for p in ddp_model.module.parameters() if p.requires_grad]
     opt_params = optimizer.params_in_order()
     opt_ids = {id(p) for p in opt_params}
     missing = [n for n, p in ddp_model.module.named_parameters() if p.requires_grad and id(p) not in opt_ids]
@@ -108,8 +107,12 @@ def attach(
             f"hf_onebit.attach: {len(missing)} trainable parameter(s) of the model are not in the"
             f" optimizer (first: {missing[:3]}); the hook must see every bucket's parameters in the optimizer"
         )
-    if len(opt_params) != len(model_params):
-        raise ValueError("hf_onebit.attach: the optimizer holds parameters that the DDP model does not train")
+    # Frozen parameters of the model (requires_grad=False) may stay in the optimizer, as with
+    # torch optimizers: they get no gradient, so step() leaves them and their state alone. This is
+    # how parameters are frozen mid-run: change requires_grad, re-wrap in DDP, attach again.
+    module_ids = {id(p) for p in ddp_model.module.parameters()}
+    if any(id(p) not in module_ids for p in opt_params):
+        raise ValueError("hf_onebit.attach: the optimizer holds parameters that are not parameters of the DDP model")
     sparse = [n or type(m).__name__ for n, m in ddp_model.module.named_modules() if getattr(m, "sparse", False) is True]
     if sparse or any(p.is_sparse for p in opt_params):
         raise ValueError(
@@ -139,6 +142,7 @@ def attach(
         self_test(device, dtype)
     _check_same_on_every_rank(optimizer, ddp_model.process_group)
     ddp_model.register_comm_hook(state, onebit_hook)
+    optimizer.hook_attached = True  # step() now checks that every gradient went through the hook
     return state
 
 

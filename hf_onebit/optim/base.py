@@ -209,6 +209,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self.comm_stats = CommStats()
         self.process_group: dist.ProcessGroup | None = None
         self.grad_scale: Callable[[], torch.Tensor | None] | None = None
+        self.hook_attached = False  # set by hf_onebit.attach once the hook is registered
         self.steps_done = 0  # optimizer steps completed (t of the last step)
         self._segments: dict[tuple[int, ...], Segment] = {}
         self._pending_rank_state: dict | None = None
@@ -537,8 +538,37 @@ class OneBitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.check_grads_exchanged(self.steps_done + 1)
         self.check_finite_grads()
         return loss, self.steps_done + 1, self.plan()
+
+    def check_grads_exchanged(self, t: int) -> None:
+        """Refuse a step in which a trainable parameter's gradient never reached the hook.
+
+        DDP hands a bucket to the hook only once *every* parameter in it has a gradient. When
+        ``requires_grad`` is switched off after DDP was built (freezing mid-run), the frozen
+        parameter's bucket never completes: the other parameters of that bucket (and, since
+        DDP launches buckets in order, of every later bucket) keep this rank's own gradient,
+        and stock DDP only complains at the *next* forward, suggesting
+        ``find_unused_parameters=True``, which hf_onebit refuses on gloo. Stepping would apply
+        unexchanged gradients (ranks diverge; 1-bit Adam would even take a local gradient as its
+        momentum), so stop here, before any optimizer state changes. Bookkeeping only, no sync.
+        """
+        if not self.hook_attached or self.world_size == 1:
+            return
+        covered = set().union(*self._layout) if self._layout_step == t else set()
+        missed = [i for i, p in enumerate(self.params_in_order())
+                  if p.grad is not None and p.requires_grad and i not in covered]
+        if missed:
+            raise RuntimeError(
+                f"hf_onebit {type(self).__name__}: step {t} on rank {self.rank}: parameter(s) {missed[:8]}"
+                " (optimizer order) have a gradient that DDP never handed to the communication hook, so it"
+                " was not exchanged between ranks; nothing was changed. A bucket waits for a parameter that"
+                " got no gradient: requires_grad was switched off after DDP was built, or a parameter was"
+                " unused. To freeze parameters mid-run, set requires_grad_(False), wrap the model in a new"
+                " DistributedDataParallel and call hf_onebit.attach(new_ddp, optimizer) again (the optimizer"
+                " keeps its state; frozen parameters may stay in it)."
+            )
 
     def check_finite_grads(self) -> None:
         """Stop with a clear error if any gradient is non-finite and no loss scaler can skip the step.

@@ -455,12 +455,15 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 off += n
                 if "mask" in state:
                     ubar.mul_(state["mask"])
-                denom = self._denominator(state, groups[id(p)])
                 lam = state["lr_sum"]
-                if lam > 0:  # λ = 0: no local step since the last sync (no gradient, or lr 0)
+                # λ = 0: no local step since the last sync on any rank (a frozen parameter, no
+                # gradient, or lr 0), so u = 0 everywhere and the exact mean is 0; ū is then only
+                # compression noise (the segment's scale and error feedback), which would move a
+                # frozen parameter. Leave it, and its state, where they are.
+                if lam > 0:
                     torch.div(ubar, -lam, out=state["exp_avg"])
-                point = state["synced_param"]
-                point.addcdiv_(ubar, denom)  # the spec's (p - u) + ū/(sqrt(v)+eps)
-                p.copy_(point)
+                    point = state["synced_param"]
+                    point.addcdiv_(ubar, self._denominator(state, groups[id(p)]))  # the spec's (p - u) + ū/(sqrt(v)+eps)
+                    p.copy_(point)
                 state["momentum_accumulator"].zero_()
                 state["lr_sum"] = 0.0
