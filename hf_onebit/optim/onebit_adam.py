@@ -112,8 +112,10 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         # _init_state: with freeze_step=0 compression starts before any step() created the state
         m = self._init_state(p)["exp_avg"].reshape(-1)
         g = grad.reshape(-1)
-        if not (g.dtype == torch.float32 and inv_scale == 1.0):
-            g = out.copy_(g).mul_(inv_scale)
+        if not (g.dtype == torch.float32 and inv_scale is None):
+            g = out.copy_(g)
+            if inv_scale is not None:
+                g.mul_(inv_scale)
         torch.lerp(m, g, 1 - beta1, out=out)  # β1·m + (1-β1)·g in one pass (out may alias g)
 
     # ---------------------------------------------------------------- step

@@ -194,10 +194,10 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             return super().prepare_send(plan, p, grad, out, inv_scale)
         beta1 = self._group_map()[id(p)]["betas"][0]
         g = grad.reshape(-1)
-        if g.dtype == torch.float32 and inv_scale == 1.0:
+        if g.dtype == torch.float32 and inv_scale is None:
             torch.mul(g, 1 - beta1, out=out)
-        else:
-            out.copy_(g).mul_((1 - beta1) * inv_scale)
+        else:  # (1 − β1)·inv_scale in fp64 (a 0-dim tensor), rounded once to fp32 as a Python float is
+            out.copy_(g).mul_((1 - beta1) if inv_scale is None else (1 - beta1) * inv_scale)
         state = self.state.get(p)
         if state and "exp_avg" in state:
             out.add_(state["exp_avg"].reshape(-1), alpha=beta1)
