@@ -286,19 +286,30 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         self._apply_update(p, u, state["coeff_frozen"] * factor, group["lr"])
 
     def _freeze(self) -> None:
-        """End of step ``freeze_step``: ``v_fresh = v``, momentum scaling ratios, masks."""
+        """End of step ``freeze_step``: ``v_fresh = v``, momentum scaling ratios, masks.
+
+        ``scaling_p = mean_q RMS(m_q) / RMS(m_p)`` (1 where that is not a positive number), on
+        the device in fp64: each RMS from an fp64 norm, the mean summed in parameter order, one
+        rounding to fp32 at the end, as the same arithmetic on Python floats would round.
+        """
         params = [p for p in self.params_in_order() if "exp_avg" in self.state.get(p, {})]
         rms = []
         for p in params:
             state = self.state[p]
             state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])
             m = state["exp_avg"]
-            norm = float(torch.linalg.vector_norm(logical(m), dtype=torch.float64)) if m.numel() else 0.0
-            rms.append(norm / math.sqrt(m.numel()) if m.numel() else 0.0)
-        mean = sum(rms) / len(rms) if rms else 0.0
+            if m.numel():
+                rms.append(torch.linalg.vector_norm(logical(m), dtype=torch.float64) / math.sqrt(m.numel()))
+            else:
+                rms.append(torch.zeros((), dtype=torch.float64, device=m.device))
+        if rms:
+            total = rms[0]
+            for r in rms[1:]:
+                total = total + r.to(total.device)
+            mean = total / len(rms)
         for p, r in zip(params, rms):
-            ratio = mean / r if r > 0 else math.inf
-            self.state[p]["scaling"].fill_(ratio if math.isfinite(ratio) and ratio > 0 else 1.0)
+            ratio = mean.to(r.device) / r  # inf or NaN where RMS(m_p) is 0 (or NaN): scaling 1
+            self.state[p]["scaling"].copy_(torch.where(torch.isfinite(ratio) & (ratio > 0), ratio, 1.0))
         self.freeze_masks()
 
     @torch.no_grad()
