@@ -197,8 +197,13 @@ class OneBitOptimizer(torch.optim.Optimizer):
     #: Plans that need a compression segment.
     _SEGMENT_PLANS = (Plan.COMPRESS_MOMENTUM, Plan.COMPRESS_GRADIENT)
 
-    def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False) -> None:
+    def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False, check_finite: bool = True) -> None:
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"{type(self).__name__}: check_finite must be True or False, got {check_finite!r}")
         super().__init__(params, defaults)
+        #: Whether ``step()`` refuses non-finite gradients without a loss scaler (see
+        #: :meth:`check_finite_grads`; a setting of this process, saved nowhere).
+        self.check_finite = check_finite
         #: One compression scale per parameter tensor of a bucket instead of one per rank and
         #: chunk (see :class:`~hf_onebit.comm.CompressedAllReduce`'s ``piece_sizes``).
         self.scale_per_tensor = bool(scale_per_tensor)
@@ -559,8 +564,16 @@ class OneBitOptimizer(torch.optim.Optimizer):
         attached the scaler skips such steps on every rank (the exchanged values are non-finite
         everywhere) and never calls ``step()``; without one, silently applying NaN would corrupt
         moments, variance and parameters for good.
+
+        This is the one host synchronisation of a step, and a deliberate one: refusing a NaN
+        *before* it reaches the optimizer state needs the host to know whether there is one,
+        so the host waits here for one fused norm over the gradients. Nothing else in the
+        hook or in ``step()`` waits for the device once the phase is steady (tested in
+        ``tests/optim/test_host_syncs.py``). With a loss scaler it is skipped (its own ``step``
+        already waits for its inf check); ``check_finite=False`` at construction skips it too,
+        for a loop that checks its gradients itself.
         """
-        if self.grad_scale is not None:
+        if self.grad_scale is not None or not self.check_finite:
             return
         grads = [p.grad for p in self.params_in_order() if p.grad is not None]
         if not grads:

@@ -294,6 +294,8 @@ class BinSGDM(OneBitOptimizer):
         seed: seed of the random votes (together with the rank, the node, the step and the
             parameter index, see the module docstring). Saved in ``state_dict()`` and restored
             from it, so a resumed run continues the same random streams.
+        check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
+            any state changes (the step's one host sync, see ``check_finite_grads``).
     """
 
     imports_adam_state = False  # its m, b are not Adam's moments
@@ -307,6 +309,7 @@ class BinSGDM(OneBitOptimizer):
         weight_decay: float = 0.0,
         hierarchical: bool | None = None,
         seed: int = 0,
+        check_finite: bool = True,
     ) -> None:
         for name, value in (("lr", lr), ("beta", beta), ("eps", eps), ("weight_decay", weight_decay)):
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -321,7 +324,7 @@ class BinSGDM(OneBitOptimizer):
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) <= _MASK64:
             raise ValueError(f"BinSGDM: seed must be an integer in [0, 2**64), got {seed!r}")
         defaults = dict(lr=float(lr), beta=float(beta), eps=float(eps), weight_decay=float(weight_decay))
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, check_finite=check_finite)
         self.hierarchical = hierarchical
         self.seed = int(seed)
         #: Traffic between nodes only (hierarchical mode), counted like ``comm_stats``.

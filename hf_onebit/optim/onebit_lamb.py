@@ -134,6 +134,8 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             below ``eps/100`` (e.g. attention key biases), which would otherwise receive
             ``±scale`` from the compressor and, with ``v == 0`` there, steps of size
             ``scale/eps``. :meth:`set_mask` overrides it per parameter.
+        check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
+            any state changes (the step's one host sync, see ``check_finite_grads``).
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         factor_threshold: float = 0.1,
         auto_mask: bool = True,
         scale_per_tensor: bool = False,
+        check_finite: bool = True,
     ) -> None:
         self.init_freeze(freeze_step, "freeze_step")
         defaults = dict(
@@ -160,7 +163,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
         )
         _check_lamb_group(defaults)
-        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor)
+        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
         self.auto_mask = auto_mask
 
     def add_param_group(self, param_group: dict) -> None:
