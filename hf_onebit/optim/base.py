@@ -197,8 +197,13 @@ class OneBitOptimizer(torch.optim.Optimizer):
     #: Plans that need a compression segment.
     _SEGMENT_PLANS = (Plan.COMPRESS_MOMENTUM, Plan.COMPRESS_GRADIENT)
 
-    def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False) -> None:
+    def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False, check_finite: bool = True) -> None:
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"{type(self).__name__}: check_finite must be True or False, got {check_finite!r}")
         super().__init__(params, defaults)
+        #: Whether ``step()`` refuses non-finite gradients without a loss scaler (see
+        #: :meth:`check_finite_grads`; a setting of this process, saved nowhere).
+        self.check_finite = check_finite
         #: One compression scale per parameter tensor of a bucket instead of one per rank and
         #: chunk (see :class:`~hf_onebit.comm.CompressedAllReduce`'s ``piece_sizes``).
         self.scale_per_tensor = bool(scale_per_tensor)
@@ -230,22 +235,29 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """Human-readable name of the coming step's phase (logged at every change)."""
         raise NotImplementedError
 
-    def prepare_send(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, inv_scale: float) -> None:
-        """Write the fp32 vector to communicate for parameter ``p`` into ``out`` (flat)."""
+    def prepare_send(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                     inv_scale: torch.Tensor | float | None) -> None:
+        """Write the fp32 vector to communicate for parameter ``p`` into ``out`` (flat).
+
+        ``inv_scale``: ``None`` without a loss scaler, else what unscales ``grad`` (the hook
+        passes a 0-dim tensor on the device, see :meth:`_compress_bucket`; never compare it
+        with a number, which would wait for the device).
+        """
         if plan is Plan.COMPRESS_GRADIENT:
-            if grad.dtype == torch.float32 and inv_scale == 1.0:
-                out.copy_(grad.reshape(-1))
-            else:
-                out.copy_(grad.reshape(-1)).mul_(inv_scale)
+            out.copy_(grad.reshape(-1))
+            if inv_scale is not None:
+                out.mul_(inv_scale)
             return
         raise NotImplementedError(f"{type(self).__name__} does not prepare {plan.value}")
 
-    def finish_receive(self, plan: Plan, p: torch.Tensor, result: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
+    def finish_receive(self, plan: Plan, p: torch.Tensor, result: torch.Tensor, grad: torch.Tensor,
+                       scale: torch.Tensor | float | None) -> None:
         """Write what ``.grad`` of ``p`` holds after the hook, from the fp32 ``result`` (flat).
 
         ``result`` may be ``grad`` itself (a bucket compressed in place): keep this alias-safe.
+        ``scale``: ``None`` without a loss scaler, else the loss scale (as ``inv_scale`` above).
         """
-        if scale == 1.0:
+        if scale is None:
             if result.data_ptr() == grad.data_ptr():
                 return
             write_flat_(grad, result)
@@ -443,9 +455,14 @@ class OneBitOptimizer(torch.optim.Optimizer):
         raise NotImplementedError(f"{type(self).__name__} has no bucket handler for plan {plan.value}")
 
     def _compress_bucket(self, plan, segments, params, buffer, grads, scale_t) -> torch.Tensor:
-        """Runs on the communication thread: prepare, compress and finish each segment."""
-        scale = float(scale_t) if scale_t is not None else 1.0
-        inv = 1.0 / scale
+        """Runs on the communication thread: prepare, compress and finish each segment.
+
+        ``scale_t`` (the loss scaler's 0-dim scale tensor, or ``None``) stays on the device: a
+        ``float()`` of it would stall the host until the GPU caught up, once per bucket. Its
+        reciprocal is taken in fp64, as Python's ``1.0 / float(scale)`` was, so the unscaled
+        values are bitwise those of a host-side scale.
+        """
+        inv = None if scale_t is None else torch.reciprocal(scale_t.to(torch.float64))
         position = {id(p): k for k, p in enumerate(params)}
         all_params = self.params_in_order()
         seg0 = segments[0]
@@ -463,7 +480,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 self.prepare_send(plan, p, g, g.reshape(-1), inv)
             segments[0].comm(buffer)
             for p, g in zip(params, grads):
-                self.finish_receive(plan, p, g.reshape(-1), g, scale)
+                self.finish_receive(plan, p, g.reshape(-1), g, scale_t)
             return buffer
         for seg in segments:
             off = 0
@@ -477,7 +494,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 off += n
             seg.comm(seg.work)
             for p, g, off, n in views:
-                self.finish_receive(plan, p, seg.work[off : off + n], g, scale)
+                self.finish_receive(plan, p, seg.work[off : off + n], g, scale_t)
         return buffer
 
     # ---------------------------------------------------------------- after each step
@@ -577,8 +594,16 @@ class OneBitOptimizer(torch.optim.Optimizer):
         attached the scaler skips such steps on every rank (the exchanged values are non-finite
         everywhere) and never calls ``step()``; without one, silently applying NaN would corrupt
         moments, variance and parameters for good.
+
+        This is the one host synchronisation of a step, and a deliberate one: refusing a NaN
+        *before* it reaches the optimizer state needs the host to know whether there is one,
+        so the host waits here for one fused norm over the gradients. Nothing else in the
+        hook or in ``step()`` waits for the device once the phase is steady (tested in
+        ``tests/optim/test_host_syncs.py``). With a loss scaler it is skipped (its own ``step``
+        already waits for its inf check); ``check_finite=False`` at construction skips it too,
+        for a loop that checks its gradients itself.
         """
-        if self.grad_scale is not None:
+        if self.grad_scale is not None or not self.check_finite:
             return
         grads = [p.grad for p in self.params_in_order() if p.grad is not None]
         if not grads:

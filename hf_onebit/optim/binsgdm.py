@@ -217,6 +217,18 @@ def vote_update_(p: torch.Tensor, q: torch.Tensor, *, lr: float, weight_decay: f
         p.copy_(work)
 
 
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """:data:`_BIT_WEIGHTS` on ``device``, made once: a ``torch.tensor`` of a Python list per
+    call would copy from the host, which on CUDA waits for the device."""
+    w = _WEIGHTS.get(device)
+    if w is None:
+        w = _WEIGHTS[device] = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=device)
+    return w
+
+
 def _pack_votes(votes: torch.Tensor, out: torch.Tensor, use_numpy: bool | None = None) -> None:
     """Pack a bool vector (length multiple of 8) into ``out`` (uint8), MSB first, 1 = +1.
 
@@ -228,7 +240,7 @@ def _pack_votes(votes: torch.Tensor, out: torch.Tensor, use_numpy: bool | None =
     if use_numpy:
         out.numpy()[:] = np.packbits(votes.numpy())
         return
-    w = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=votes.device)
+    w = _bit_weights(votes.device)
     out.copy_((votes.view(-1, 8).to(torch.uint8) * w).sum(dim=1, dtype=torch.uint8))
 
 
@@ -282,6 +294,8 @@ class BinSGDM(OneBitOptimizer):
         seed: seed of the random votes (together with the rank, the node, the step and the
             parameter index, see the module docstring). Saved in ``state_dict()`` and restored
             from it, so a resumed run continues the same random streams.
+        check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
+            any state changes (the step's one host sync, see ``check_finite_grads``).
     """
 
     imports_adam_state = False  # its m, b are not Adam's moments
@@ -295,6 +309,7 @@ class BinSGDM(OneBitOptimizer):
         weight_decay: float = 0.0,
         hierarchical: bool | None = None,
         seed: int = 0,
+        check_finite: bool = True,
     ) -> None:
         for name, value in (("lr", lr), ("beta", beta), ("eps", eps), ("weight_decay", weight_decay)):
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -309,7 +324,7 @@ class BinSGDM(OneBitOptimizer):
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) <= _MASK64:
             raise ValueError(f"BinSGDM: seed must be an integer in [0, 2**64), got {seed!r}")
         defaults = dict(lr=float(lr), beta=float(beta), eps=float(eps), weight_decay=float(weight_decay))
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, check_finite=check_finite)
         self.hierarchical = hierarchical
         self.seed = int(seed)
         #: Traffic between nodes only (hierarchical mode), counted like ``comm_stats``.
@@ -319,7 +334,8 @@ class BinSGDM(OneBitOptimizer):
         self._next: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # idx -> pending (m, b)
         self._pending_t: dict[int, int] = {}  # idx -> step whose pending (m, b) the hook wrote
         self._attempts: dict[tuple[int, ...], int] = {}  # bucket -> attempt number of its last call
-        self._nan_attempts: dict[int, set[int]] = {}  # step -> attempts with a non-finite vote
+        # step -> attempt -> 0-dim device bool: some bucket of that attempt voted non-finite
+        self._nan_attempts: dict[int, dict[int, torch.Tensor]] = {}
         self._streams: dict[int, VoteStream] = {}
         self._loaded_vote_state: dict | None = None
         self._warned_fresh = False
@@ -518,7 +534,10 @@ class BinSGDM(OneBitOptimizer):
         key = tuple(index[id(p)] for p in params)
         if self._bucket_calls.get(key) == t:
             attempt = self._attempts.get(key, 0)
-            if attempt in self._nan_attempts.get(t, ()):
+            voted_nan = self._nan_attempts.get(t, {}).get(attempt)
+            # A host sync, but only here: the hook ran again for step t (a skipped step, or a
+            # misuse that the base refuses), never in the steady state.
+            if voted_nan is not None and bool(voted_nan):
                 self._bucket_calls.pop(key)
                 self._attempts[key] = attempt + 1
         else:
@@ -562,10 +581,14 @@ class BinSGDM(OneBitOptimizer):
         return layout
 
     def _vote_bucket(self, layout: _Layout, topo: _Topology, buffer, grads, scale_t, t: int, attempt: int) -> torch.Tensor:
-        """Runs on the communication thread: local state, local votes, exchange, ``.grad = q̄``."""
-        scale = float(scale_t) if scale_t is not None else 1.0
-        inv = 1.0 / scale
-        finite = True
+        """Runs on the communication thread: local state, local votes, exchange, ``.grad = q̄``.
+
+        No value goes to the host (on CUDA that would wait for the GPU): the loss scale stays a
+        0-dim tensor (its reciprocal in fp64, as ``1.0 / float(scale)`` was), the finiteness
+        flags are device booleans from the new ``b`` to the NaN written into ``q̄``.
+        """
+        inv = None if scale_t is None else torch.reciprocal(scale_t.to(torch.float64))
+        finite = []  # per parameter: is its new b finite (0-dim bool tensors)
         worker = self._stream(self.rank)
         for item, g in zip(layout.items, grads):
             state = self.state[item.param]
@@ -574,35 +597,45 @@ class BinSGDM(OneBitOptimizer):
             sl = slice(item.offset, item.offset + item.numel)
             g = g.reshape(-1)
             if g.dtype == torch.float32:
-                g32 = g.mul_(inv) if inv != 1.0 else g  # in place: the bucket is overwritten with q̄
+                g32 = g.mul_(inv) if inv is not None else g  # in place: the bucket is overwritten with q̄
             else:  # bf16/fp16 bucket: unscale into fp32 scratch
                 if layout.scratch is None:
                     layout.scratch = torch.empty(layout.numel, dtype=torch.float32, device=g.device)
                 g32 = layout.scratch[sl].copy_(g)
-                if inv != 1.0:
+                if inv is not None:
                     g32.mul_(inv)
             vote_threshold_(
                 state["momentum"].view(-1), state["abs_momentum"].view(-1), g32, beta=group["beta"],
                 eps=group["eps"], m_out=m_next.view(-1), b_out=b_next.view(-1), theta=layout.theta[sl],
                 tmp=layout.uniform[sl],
             )
-            finite = finite and bool(torch.isfinite(b_next).all())
+            finite.append(torch.isfinite(b_next).all())
             worker.uniform_(layout.uniform[sl], t, item.index)
         n = layout.numel
         torch.lt(layout.uniform, layout.theta[:n], out=layout.votes[:n])
+        all_finite = torch.stack(finite).all()
         if topo.hierarchical:
-            qbar, valid = self._exchange_hierarchical(layout, topo, finite, t)
+            qbar, valid = self._exchange_hierarchical(layout, topo, all_finite, t)
         else:
-            qbar, valid = self._exchange_flat(layout, finite)
-        if not valid:
-            qbar.fill_(float("nan"))
-            self._nan_attempts.setdefault(t, set()).add(attempt)
+            qbar, valid = self._exchange_flat(layout, all_finite)
+        qbar.masked_fill_(~valid, float("nan"))
+        self._note_validity(t, attempt, valid)
         for item, g in zip(layout.items, grads):
             src = qbar[item.offset : item.offset + item.numel]
-            if scale != 1.0:
-                src = src * scale
+            if scale_t is not None:
+                src = src * scale_t
             write_flat_(g, src)  # g has the parameter's strides: reshape(-1) could be a copy
         return buffer
+
+    def _note_validity(self, t: int, attempt: int, valid: torch.Tensor) -> None:
+        """Remember, on the device, whether some bucket of ``attempt`` at step ``t`` voted NaN.
+
+        Read on the host only when the hook runs again for step ``t`` (:meth:`reduce_bucket`),
+        i.e. after a skipped step: the steady state never waits for it.
+        """
+        attempts = self._nan_attempts.setdefault(t, {})
+        seen = attempts.get(attempt)
+        attempts[attempt] = ~valid if seen is None else seen | ~valid
 
     def _gather(self, payload: torch.Tensor, size: int, group) -> torch.Tensor:
         out = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)
@@ -610,22 +643,24 @@ class BinSGDM(OneBitOptimizer):
         return out.view(size, payload.numel())
 
     @staticmethod
-    def _flagged(bits: torch.Tensor, flag: bool) -> torch.Tensor:
+    def _flagged(bits: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+        """``[fp32 1.0 or NaN | bits]``, the flag written from the device bool ``flag``."""
         payload = torch.empty(4 + bits.numel(), dtype=torch.uint8, device=bits.device)
-        payload[:4].view(torch.float32).fill_(1.0 if flag else float("nan"))
+        payload[:4].view(torch.float32).copy_(torch.where(flag, 1.0, float("nan")))
         payload[4:].copy_(bits)
         return payload
 
     @staticmethod
-    def _rows_valid(rows: torch.Tensor) -> bool:
-        return bool(torch.isfinite(rows[:, :4].contiguous().view(torch.float32)).all())
+    def _rows_valid(rows: torch.Tensor) -> torch.Tensor:
+        """Whether every gathered row's flag is finite: a 0-dim bool tensor on the device."""
+        return torch.isfinite(rows[:, :4].contiguous().view(torch.float32)).all()
 
     def _vote_mean(self, bits: torch.Tensor) -> torch.Tensor:
         """``mean_r ±1`` of the rows of ``bits`` (r, B): exact integer sums, one division."""
         ones = torch.ones(bits.shape[0], dtype=torch.float32, device=bits.device)
         return get_backend(bits.device).server_average(bits.contiguous(), ones)
 
-    def _exchange_flat(self, layout: _Layout, finite: bool) -> tuple[torch.Tensor, bool]:
+    def _exchange_flat(self, layout: _Layout, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.world_size
         nbytes = layout.padded // 8
         bits = torch.empty(nbytes, dtype=torch.uint8, device=layout.votes.device)
@@ -637,7 +672,8 @@ class BinSGDM(OneBitOptimizer):
         self.comm_stats.record(CommRecord(moved, moved, 1, allreduce_bytes(4 * layout.numel, n), 1))
         return qbar, valid
 
-    def _exchange_hierarchical(self, layout: _Layout, topo: _Topology, finite: bool, t: int) -> tuple[torch.Tensor, bool]:
+    def _exchange_hierarchical(self, layout: _Layout, topo: _Topology, finite: torch.Tensor,
+                               t: int) -> tuple[torch.Tensor, torch.Tensor]:
         if topo.node_group is None:
             self._create_groups(topo)
         k, nodes = topo.local_size, topo.nodes

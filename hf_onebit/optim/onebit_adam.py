@@ -64,6 +64,8 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             ``freeze_step`` too). ``False`` reproduces DeepSpeed's trajectories.
         auto_mask: mask coordinates whose averaged gradient was exactly zero on every warmup step,
             or whose frozen ``sqrt(v̂)`` is below ``eps/100``.
+        check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
+            any state changes (the step's one host sync, see ``check_finite_grads``).
     """
 
     def __init__(
@@ -77,12 +79,13 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         bias_correction: bool = True,
         auto_mask: bool = True,
         scale_per_tensor: bool = False,
+        check_finite: bool = True,
     ) -> None:
         check_common(lr, eps, weight_decay)
         check_betas(betas)
         self.init_freeze(freeze_step, "freeze_step")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor)
+        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
         self.auto_mask = auto_mask
         if not bias_correction:
             self.warn_uncorrected_variance(betas[1])
@@ -112,8 +115,10 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         # _init_state: with freeze_step=0 compression starts before any step() created the state
         m = self._init_state(p)["exp_avg"].reshape(-1)
         g = grad.reshape(-1)
-        if not (g.dtype == torch.float32 and inv_scale == 1.0):
-            g = out.copy_(g).mul_(inv_scale)
+        if not (g.dtype == torch.float32 and inv_scale is None):
+            g = out.copy_(g)
+            if inv_scale is not None:
+                g.mul_(inv_scale)
         torch.lerp(m, g, 1 - beta1, out=out)  # β1·m + (1-β1)·g in one pass (out may alias g)
 
     # ---------------------------------------------------------------- step

@@ -134,6 +134,8 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             below ``eps/100`` (e.g. attention key biases), which would otherwise receive
             ``±scale`` from the compressor and, with ``v == 0`` there, steps of size
             ``scale/eps``. :meth:`set_mask` overrides it per parameter.
+        check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
+            any state changes (the step's one host sync, see ``check_finite_grads``).
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         factor_threshold: float = 0.1,
         auto_mask: bool = True,
         scale_per_tensor: bool = False,
+        check_finite: bool = True,
     ) -> None:
         self.init_freeze(freeze_step, "freeze_step")
         defaults = dict(
@@ -160,7 +163,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
         )
         _check_lamb_group(defaults)
-        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor)
+        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
         self.auto_mask = auto_mask
 
     def add_param_group(self, param_group: dict) -> None:
@@ -194,10 +197,10 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             return super().prepare_send(plan, p, grad, out, inv_scale)
         beta1 = self._group_map()[id(p)]["betas"][0]
         g = grad.reshape(-1)
-        if g.dtype == torch.float32 and inv_scale == 1.0:
+        if g.dtype == torch.float32 and inv_scale is None:
             torch.mul(g, 1 - beta1, out=out)
-        else:
-            out.copy_(g).mul_((1 - beta1) * inv_scale)
+        else:  # (1 − β1)·inv_scale in fp64 (a 0-dim tensor), rounded once to fp32 as a Python float is
+            out.copy_(g).mul_((1 - beta1) if inv_scale is None else (1 - beta1) * inv_scale)
         state = self.state.get(p)
         if state and "exp_avg" in state:
             out.add_(state["exp_avg"].reshape(-1), alpha=beta1)
@@ -286,19 +289,30 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         self._apply_update(p, u, state["coeff_frozen"] * factor, group["lr"])
 
     def _freeze(self) -> None:
-        """End of step ``freeze_step``: ``v_fresh = v``, momentum scaling ratios, masks."""
+        """End of step ``freeze_step``: ``v_fresh = v``, momentum scaling ratios, masks.
+
+        ``scaling_p = mean_q RMS(m_q) / RMS(m_p)`` (1 where that is not a positive number), on
+        the device in fp64: each RMS from an fp64 norm, the mean summed in parameter order, one
+        rounding to fp32 at the end, as the same arithmetic on Python floats would round.
+        """
         params = [p for p in self.params_in_order() if "exp_avg" in self.state.get(p, {})]
         rms = []
         for p in params:
             state = self.state[p]
             state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])
             m = state["exp_avg"]
-            norm = float(torch.linalg.vector_norm(logical(m), dtype=torch.float64)) if m.numel() else 0.0
-            rms.append(norm / math.sqrt(m.numel()) if m.numel() else 0.0)
-        mean = sum(rms) / len(rms) if rms else 0.0
+            if m.numel():
+                rms.append(torch.linalg.vector_norm(logical(m), dtype=torch.float64) / math.sqrt(m.numel()))
+            else:
+                rms.append(torch.zeros((), dtype=torch.float64, device=m.device))
+        if rms:
+            total = rms[0]
+            for r in rms[1:]:
+                total = total + r.to(total.device)
+            mean = total / len(rms)
         for p, r in zip(params, rms):
-            ratio = mean / r if r > 0 else math.inf
-            self.state[p]["scaling"].fill_(ratio if math.isfinite(ratio) and ratio > 0 else 1.0)
+            ratio = mean.to(r.device) / r  # inf or NaN where RMS(m_p) is 0 (or NaN): scaling 1
+            self.state[p]["scaling"].copy_(torch.where(torch.isfinite(ratio) & (ratio > 0), ratio, 1.0))
         self.freeze_masks()
 
     @torch.no_grad()

@@ -66,6 +66,8 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             times too large (3.2x after 100 updates with ``β2 = 0.999``, 7.9x after the 16 a
             short run gets: it diverged). ``False`` with such a freeze warns at construction.
             The momentum is not corrected (its bias only shrinks the first steps).
+        check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
+            any state changes (the step's one host sync, see ``check_finite_grads``).
 
     Phases and what each step communicates (``n`` ranks):
 
@@ -146,6 +148,7 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         auto_mask: bool = True,
         bias_correction: bool = True,
         scale_per_tensor: bool = False,
+        check_finite: bool = True,
     ) -> None:
         check_common(lr, eps, weight_decay)
         check_betas(betas)
@@ -154,7 +157,7 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         check_positive_int(local_step_scaler, "local_step_scaler")
         check_positive_int(local_step_clipper, "local_step_clipper")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor)
+        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
