@@ -55,8 +55,14 @@ encode = network.encode
 
 
 def build_model(args):
-    """all-MiniLM-L6-v2 + a new 2-way head (seed 0); word embedding and key biases frozen."""
-    return network.build_model("minilm", 0, args.max_len, args.train_key_bias)
+    """all-MiniLM-L6-v2 + a new 2-way head (seed 0, or ``--seed``); word embedding and key biases frozen."""
+    model = network.build_model("minilm", 0, args.max_len, args.train_key_bias)
+    if args.seed:  # another draw of the new head (seed 0 keeps the published runs' weights)
+        import torch
+
+        torch.manual_seed(args.seed)
+        model.net.classifier.reset_parameters()
+    return model
 
 
 def build_method(method: str, model, args):
@@ -126,7 +132,7 @@ def _train_all(rank, world, args):
     tok = network.load_tokenizer()
     train, eval_items = load_task(args.eval_size)
     shard = train[rank::world]
-    g = torch.Generator().manual_seed(1000 + rank)
+    g = torch.Generator().manual_seed(1000 + rank + 7919 * args.seed)  # the batches' order
     order = torch.randperm(len(shard), generator=g).tolist()
     batches = []
     for s in range(args.steps):
@@ -233,6 +239,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="snippets per rank per step")
     parser.add_argument("--max-len", type=int, default=48)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="draws the new head and the batches' order (0: the runs published in docs/)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--lamb-lr", type=float, default=1e-3)
     parser.add_argument("--freeze-frac", default="0.2",
@@ -271,7 +279,7 @@ def main() -> None:
     results = {
         "meta": {"command": "python benchmarks/convergence.py " + " ".join(sys.argv[1:]),
                  "date": _dt.date.today().isoformat(), "machine": f"{os.cpu_count()}-core CPU ({platform.machine()})",
-                 "world_size": args.world_size, "steps": args.steps, "batch": args.batch, "max_len": args.max_len,
+                 "world_size": args.world_size, "seed": args.seed, "steps": args.steps, "batch": args.batch, "max_len": args.max_len,
                  "lr": args.lr, "lamb_lr": args.lamb_lr, "freeze": f, "load_start": load_start,
                  "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "minutes": (time.time() - start) / 60},
         "methods": out,

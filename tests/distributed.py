@@ -1,4 +1,14 @@
-"""Run a test function in several gloo processes on this machine and collect what each returns."""
+"""Run a test function in several gloo processes on this machine and collect what each returns.
+
+Spawning a rank costs seconds (a fresh Python imports torch, hf_onebit and the compiled kernels,
+then joins a gloo group), several times the work of a typical test. Under pytest (``conftest.py``
+sets :data:`KEEP_WORKERS`) the ranks are therefore kept between calls: one pool of ``world_size``
+processes per world size runs one test function after another on its default group. A pool is
+replaced after any failure, timeout or death (a rank may be stuck in a collective), and when a
+test destroys the default group. Tests that change a process for good (patched torch methods,
+killed ranks, another collective timeout) ask for ``fresh=True`` processes, as do fault-injection
+runs (``allow_dead``).
+"""
 
 from __future__ import annotations
 
@@ -46,9 +56,124 @@ def _worker(rank, world_size, port, fn, args, env, results, pg_timeout):
             dist.destroy_process_group()
 
 
+#: keep ranks alive between calls (set by tests/conftest.py; benchmarks spawn fresh ranks)
+KEEP_WORKERS = False
+_DEFAULT_PG_TIMEOUT = 120.0
+
+
+def _set_rank_env(rank: int, world_size: int, env: dict) -> None:
+    os.environ.update(env)
+    os.environ["LOCAL_RANK"] = str(rank % int(env.get("LOCAL_WORLD_SIZE", world_size)))
+
+
+def _pool_worker(rank, world_size, port, inbox, results, pg_timeout):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=pg_timeout),
+    )
+    base_env = dict(os.environ)
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args, env = job
+        _set_rank_env(rank, world_size, env)
+        try:
+            out = fn(rank, world_size, *args)
+            buf = io.BytesIO()
+            torch.save(out, buf)
+            status, payload = "ok", buf.getvalue()
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            status, payload = "error", traceback.format_exc()
+        finally:  # the next test starts from the same environment
+            for key in set(os.environ) - set(base_env):
+                del os.environ[key]
+            os.environ.update(base_env)
+        usable = status == "ok" and dist.is_initialized()
+        results.put((rank, status, payload, usable))
+        if not usable:
+            break
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _Pool:
+    """``world_size`` gloo ranks that run one test function after another."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.SimpleQueue()
+        self.inboxes = [ctx.SimpleQueue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [
+            ctx.Process(target=_pool_worker, args=(r, world_size, port, self.inboxes[r], self.results, _DEFAULT_PG_TIMEOUT),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, env: dict, timeout: float) -> list:
+        import time
+
+        for inbox in self.inboxes:
+            inbox.put((fn, args, env))
+        deadline = time.monotonic() + timeout
+        got: dict = {}
+        usable = True
+        try:
+            while len(got) < self.world_size:
+                if not self.results.empty():
+                    rank, status, out, ok = self.results.get()
+                    if status == "error":
+                        raise AssertionError(f"rank {rank} failed:\n{out}")
+                    got[rank] = torch.load(io.BytesIO(out), weights_only=False)
+                    usable = usable and ok
+                elif any(p.exitcode is not None for p in self.procs):
+                    time.sleep(0.5)
+                    if self.results.empty():
+                        raise AssertionError(f"a rank died without reporting (exit codes {[p.exitcode for p in self.procs]})")
+                elif time.monotonic() > deadline:
+                    raise AssertionError(f"timed out after {timeout}s; ranks that reported: {sorted(got)}")
+                else:
+                    time.sleep(0.005)
+        except BaseException:
+            usable = False
+            raise
+        finally:
+            if not usable:
+                self.close()
+        return [got[r] for r in range(self.world_size)]
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
 def run_distributed(
     fn, world_size: int, *args, env: dict | None = None, timeout: float = 300.0,
-    pg_timeout: float = 120.0, allow_dead: bool = False, wait_for: list[int] | None = None,
+    pg_timeout: float = _DEFAULT_PG_TIMEOUT, allow_dead: bool = False, wait_for: list[int] | None = None,
+    fresh: bool = False,
 ):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
@@ -57,7 +182,18 @@ def run_distributed(
     With ``allow_dead`` (fault-injection tests) ranks that die are tolerated: the result is a
     dict of the ranks that reported; with ``wait_for`` it returns as soon as those ranks have
     reported and kills the others. ``pg_timeout`` is the process group's collective timeout.
+    Under pytest the ranks are kept for the next call (see the module's docstring) unless
+    ``fresh``, ``allow_dead`` or a non-default ``pg_timeout`` asks for new processes.
     """
+    if KEEP_WORKERS and not (fresh or allow_dead or wait_for is not None or pg_timeout != _DEFAULT_PG_TIMEOUT):
+        pool = _POOLS.get(world_size)
+        if pool is None or not pool.alive:
+            pool = _POOLS[world_size] = _Pool(world_size)
+        try:
+            return pool.run(fn, args, env or {}, timeout)
+        finally:
+            if not pool.alive or any(p.exitcode is not None for p in pool.procs):
+                _POOLS.pop(world_size, None)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = _free_port()

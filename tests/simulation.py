@@ -126,8 +126,8 @@ class OneBitAdamSimulation:
     """n ranks of 1-bit Adam, one compressed buffer per segment (a list of parameter indices)."""
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
-                 freeze_step=10, bias_correction=True, auto_mask=True, scale_per_tensor=False):
-        self.auto_mask = auto_mask
+                 freeze_step=10, bias_correction=True, auto_mask=True, scale_per_tensor=False, update_clip=None):
+        self.auto_mask, self.update_clip = auto_mask, update_clip
         self.p = [np.array(x, np.float32) for x in params]
         self.m = [np.zeros_like(x) for x in self.p]
         self.v = [np.zeros_like(x) for x in self.p]
@@ -174,6 +174,9 @@ class OneBitAdamSimulation:
                 bc1 = bc2 = 1.0
             m_hat = self.m[k] / bc1
             v_hat = self.v[k] / bc2
-            update = m_hat / (np.sqrt(v_hat) + self.eps) + self.wd * self.p[k]
+            root = np.sqrt(v_hat)
+            if self.update_clip is not None and t > self.F:  # |step| <= update_clip·lr after the freeze
+                root = np.maximum(root, np.abs(m_hat) / np.float32(self.update_clip))
+            update = m_hat / (root + self.eps) + self.wd * self.p[k]
             self.p[k] = (self.p[k] - self.lr * update).astype(np.float32)
         return [x.copy() for x in self.p]

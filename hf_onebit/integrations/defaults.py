@@ -70,11 +70,18 @@ def default_freeze_arguments(optim: str) -> dict:
       freeze step by trial and error, and a fixed default (the optimizers' ``100000``) is either
       longer than a fine-tuning run or too early for it;
     * ``scale_per_tensor=True`` for the optimizers that compress with error feedback: one scale
-      per parameter tensor, so small-gradient tensors are not rebuilt at their bucket's scale.
+      per parameter tensor, so small-gradient tensors are not rebuilt at their bucket's scale;
+    * ``update_clip=1.0`` for 1-bit Adam: no coordinate moves by more than ``lr`` per step after
+      the freeze, which Adam's own update nearly never exceeds; it keeps an early freeze from
+      diverging (:class:`~hf_onebit.optim.onebit_adam.OneBitAdam`).
     """
     if optim not in FREEZE_ARGUMENT:
         return {}
-    return {FREEZE_ARGUMENT[optim]: "auto", "scale_per_tensor": True}
+    return {FREEZE_ARGUMENT[optim]: "auto", "scale_per_tensor": True, **UPDATE_CLIP.get(optim, {})}
+
+
+#: measured for 1-bit Adam only (docs/benchmarks.md); 0/1 Adam and 1-bit LAMB have no such option yet
+UPDATE_CLIP = {"onebit_adam": {"update_clip": 1.0}}
 
 
 # --------------------------------------------------------------------------- what the user gave

@@ -113,7 +113,8 @@ def test_default_freeze_arguments_is_the_one_place_the_warmup_default_is_decided
     class Args:
         learning_rate, adam_epsilon, weight_decay, adam_beta1, adam_beta2, optim_args = 1e-3, 1e-8, 0.0, 0.9, 0.999, ""
 
-    assert defaults.default_freeze_arguments("onebit_adam") == {"freeze_step": "auto", "scale_per_tensor": True}
+    assert defaults.default_freeze_arguments("onebit_adam") == {"freeze_step": "auto", "scale_per_tensor": True,
+                                                                "update_clip": 1.0}
     assert defaults.default_freeze_arguments("zeroone_adam") == {"var_freeze_step": "auto", "scale_per_tensor": True}
     assert defaults.default_freeze_arguments("binsgdm") == {}
     monkeypatch.setattr(options, "default_freeze_arguments", lambda name: {"freeze_step": 7})

@@ -33,7 +33,7 @@ def test_flags_and_optim_args_become_typed_constructor_arguments():
     assert cls is OneBitAdam
     assert kwargs == {"lr": 2e-5, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.01, "freeze_step": 400,
                       "auto_mask": False, "bias_correction": False,
-                      "scale_per_tensor": True}  # the integration's default (defaults.default_freeze_arguments)
+                      "scale_per_tensor": True, "update_clip": 1.0}  # the integration's defaults (defaults.py)
     opt = cls([torch.nn.Parameter(torch.zeros(3))], **kwargs)
     assert opt.freeze_step == 400 and opt.auto_mask is False and opt.auto_freeze is None
 

@@ -172,12 +172,12 @@ HIER_CASES = {
 
 @pytest.fixture(scope="module")
 def flat_runs():
-    return run_distributed(_watched_worker, 2, CASES, env={"LOCAL_WORLD_SIZE": "2"})
+    return run_distributed(_watched_worker, 2, CASES, env={"LOCAL_WORLD_SIZE": "2"}, fresh=True)  # patches torch for good
 
 
 @pytest.fixture(scope="module")
 def hier_runs():
-    return run_distributed(_watched_worker, 4, HIER_CASES, env={"LOCAL_WORLD_SIZE": "2"})
+    return run_distributed(_watched_worker, 4, HIER_CASES, env={"LOCAL_WORLD_SIZE": "2"}, fresh=True)  # patches torch for good
 
 
 def _check(outs, name, case):

@@ -38,17 +38,19 @@ def test_warmup_equals_adamw_on_the_averaged_gradient(world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("bias_correction", [True, False])
-def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_correction, per_tensor=False):
+def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_correction, per_tensor=False,
+                                                               update_clip=None):
     steps, freeze = 16, 6
     kwargs = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, freeze_step=freeze,
-                  bias_correction=bias_correction, scale_per_tensor=per_tensor)
+                  bias_correction=bias_correction, scale_per_tensor=per_tensor, update_clip=update_clip)
     outs = run_distributed(partial(train, tiny_grads=True), world_size, "OneBitAdam", kwargs, steps)
     segments = outs[0]["segments"]
     assert len(segments) > 1, "the test wants several DDP buckets"
     torch.manual_seed(0)
     init = [p.detach().numpy() for p in FixedGradModel().parameters()]
     sim = OneBitAdamSimulation(init, world_size, [list(s) for s in segments], lr=1e-2, wd=0.01,
-                               freeze_step=freeze, bias_correction=bias_correction, scale_per_tensor=per_tensor)
+                               freeze_step=freeze, bias_correction=bias_correction, scale_per_tensor=per_tensor,
+                               update_clip=update_clip)
     for step in range(1, steps + 1):
         grads = [[g.numpy() for g in fixed_grads(step, r, tiny=True)] for r in range(world_size)]
         expected = sim.step(grads)
@@ -63,11 +65,34 @@ def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_
     assert stats["phase"] == "compression"
     assert stats["last_step_rounds"] == 3 * len(segments)
     assert stats["compression_ratio"] > 1
+    return outs
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_scale_per_tensor_trajectory_matches_piece_simulation(world_size):
     test_trajectory_matches_spec_simulation_through_the_freeze(world_size, True, per_tensor=True)
+
+
+def test_update_clip_matches_its_simulation_and_bounds_every_step():
+    """update_clip=c: after the freeze no coordinate moves by more than c·lr (plus weight decay)."""
+    lr, wd, clip, freeze = 1e-2, 0.01, 0.5, 6
+    outs = test_trajectory_matches_spec_simulation_through_the_freeze(2, True, per_tensor=True, update_clip=clip)
+    history = outs[0]["history"]
+    clipped = 0
+    for step in range(freeze + 1, len(history)):
+        for before, after in zip(history[step - 1], history[step]):
+            move = (after - before * (1 - lr * wd)).abs()
+            assert move.max() <= clip * lr + 1e-6, move.max()  # 1e-6: fp32 rounding of parameters ~1
+            clipped += int((move >= clip * lr - 1e-6).sum())
+    assert clipped > 0  # the bound was reached: without it these coordinates would have moved further
+
+
+def test_update_clip_is_validated():
+    import hf_onebit
+
+    for bad in (0, -1.0, float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="update_clip"):
+            hf_onebit.OneBitAdam([torch.nn.Parameter(torch.ones(2))], update_clip=bad)
 
 
 def test_auto_mask_keeps_never_updated_coordinates_still():
