@@ -423,6 +423,8 @@ def onebit_optimizer(method: str, params, args, freeze: int):
     import hf_onebit
 
     extra = json.loads(args.onebit_args or "{}")
+    if method != "onebit_adam":  # only 1-bit Adam has the update clip so far (docs/algorithms.md)
+        extra = {k: v for k, v in extra.items() if k != "update_clip"}
     if freeze == "auto":  # the automatic freeze with the bounds the HF integration fits to a run
         from hf_onebit.optim.freeze import AutoFreeze
 
