@@ -142,7 +142,6 @@ def attach(
         self_test(device, dtype)
     _check_same_on_every_rank(optimizer, ddp_model.process_group)
     ddp_model.register_comm_hook(state, onebit_hook)
-    optimizer.hook_attached = True  # step() now checks that every gradient went through the hook
     return state
 
 

@@ -212,9 +212,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 if p.is_sparse:
                     raise ValueError("hf_onebit optimizers do not support sparse parameters")
         self.comm_stats = CommStats()
-        self.process_group: dist.ProcessGroup | None = None
+        self.process_group: dist.ProcessGroup | None = None  # set by hf_onebit.attach (None: not attached)
         self.grad_scale: Callable[[], torch.Tensor | None] | None = None
-        self.hook_attached = False  # set by hf_onebit.attach once the hook is registered
         self.steps_done = 0  # optimizer steps completed (t of the last step)
         self._segments: dict[tuple[int, ...], Segment] = {}
         self._pending_rank_state: dict | None = None
@@ -571,7 +570,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         unexchanged gradients (ranks diverge; 1-bit Adam would even take a local gradient as its
         momentum), so stop here, before any optimizer state changes. Bookkeeping only, no sync.
         """
-        if not self.hook_attached or self.world_size == 1:
+        if self.process_group is None or self.world_size == 1:  # not attached: no hook to check
             return
         covered = set().union(*self._layout) if self._layout_step == t else set()
         missed = [i for i, p in enumerate(self.params_in_order())
