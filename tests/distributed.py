@@ -29,33 +29,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, env, results, pg_timeout):
-    os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank % int(env.get("LOCAL_WORLD_SIZE", world_size))),
-    )
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout),
-        )
-        out = fn(rank, world_size, *args)
-        # Serialise here: tensors sent through a queue as shared memory vanish with this process.
-        buf = io.BytesIO()
-        torch.save(out, buf)
-        results.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 #: keep ranks alive between calls (set by tests/conftest.py; benchmarks spawn fresh ranks)
 KEEP_WORKERS = False
 _DEFAULT_PG_TIMEOUT = 120.0
@@ -66,13 +39,37 @@ def _set_rank_env(rank: int, world_size: int, env: dict) -> None:
     os.environ["LOCAL_RANK"] = str(rank % int(env.get("LOCAL_WORLD_SIZE", world_size)))
 
 
-def _pool_worker(rank, world_size, port, inbox, results, pg_timeout):
+def _join_gloo(rank: int, world_size: int, port: int, pg_timeout: float) -> None:
+    """Make this process ``rank`` of a gloo group on the loopback (one torch thread per rank)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=pg_timeout),
     )
+
+
+def _serialised(out) -> bytes:
+    # Serialise here: tensors sent through a queue as shared memory vanish with this process.
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+def _worker(rank, world_size, port, fn, args, env, results, pg_timeout):
+    _set_rank_env(rank, world_size, env)
+    try:
+        _join_gloo(rank, world_size, port, pg_timeout)
+        results.put((rank, "ok", _serialised(fn(rank, world_size, *args))))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _pool_worker(rank, world_size, port, inbox, results, pg_timeout):
+    _join_gloo(rank, world_size, port, pg_timeout)
     base_env = dict(os.environ)
     while True:
         job = inbox.get()
@@ -81,10 +78,7 @@ def _pool_worker(rank, world_size, port, inbox, results, pg_timeout):
         fn, args, env = job
         _set_rank_env(rank, world_size, env)
         try:
-            out = fn(rank, world_size, *args)
-            buf = io.BytesIO()
-            torch.save(out, buf)
-            status, payload = "ok", buf.getvalue()
+            status, payload = "ok", _serialised(fn(rank, world_size, *args))
         except BaseException:  # noqa: BLE001 - reported to the parent
             status, payload = "error", traceback.format_exc()
         finally:  # the next test starts from the same environment
@@ -192,7 +186,7 @@ def run_distributed(
         try:
             return pool.run(fn, args, env or {}, timeout)
         finally:
-            if not pool.alive or any(p.exitcode is not None for p in pool.procs):
+            if not pool.alive:
                 _POOLS.pop(world_size, None)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
