@@ -423,8 +423,6 @@ def onebit_optimizer(method: str, params, args, freeze: int):
     import hf_onebit
 
     extra = json.loads(args.onebit_args or "{}")
-    if method != "onebit_adam":  # only 1-bit Adam has the update clip so far (docs/algorithms.md)
-        extra = {k: v for k, v in extra.items() if k != "update_clip"}
     if freeze == "auto":  # the automatic freeze with the bounds the HF integration fits to a run
         from hf_onebit.optim.freeze import AutoFreeze
 
@@ -439,8 +437,9 @@ def onebit_optimizer(method: str, params, args, freeze: int):
                                      local_step_clipper=16, **extra)
     if method == "onebit_lamb":
         return hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=freeze, **extra)
-    if method == "binsgdm":  # its vote sends signs only: there is no scale to take per tensor
-        return hf_onebit.BinSGDM(params, lr=args.lr, **{k: v for k, v in extra.items() if k != "scale_per_tensor"})
+    if method == "binsgdm":  # its vote sends signs only: no scale to take per tensor, no variance to clip by
+        return hf_onebit.BinSGDM(params, lr=args.lr, **{k: v for k, v in extra.items()
+                                                         if k not in ("scale_per_tensor", "update_clip")})
     raise ValueError(method)
 
 

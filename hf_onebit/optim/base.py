@@ -39,6 +39,7 @@ uninterrupted one. A bucket that matches neither becomes a new segment.
 from __future__ import annotations
 
 import enum
+import math
 import logging
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
@@ -160,6 +161,15 @@ def check_common(lr: float, eps: float, weight_decay: float) -> None:
 def check_positive_int(value: int, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_update_clip(value: float | None) -> float | None:
+    """``update_clip`` is ``None`` or a finite number > 0; returns it as a float (or ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"update_clip must be a positive number or None, got {value!r}")
+    return float(value)
 
 
 def check_nonneg_int(value: int, name: str) -> None:

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_update_clip
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 
@@ -100,15 +100,13 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         update_clip: float | None = None,
     ) -> None:
         check_common(lr, eps, weight_decay)
-        if update_clip is not None and (isinstance(update_clip, bool) or not isinstance(update_clip, (int, float))
-                                        or not math.isfinite(update_clip) or update_clip <= 0):
-            raise ValueError(f"update_clip must be a positive number or None, got {update_clip!r}")
+        update_clip = check_update_clip(update_clip)
         check_betas(betas)
         self.init_freeze(freeze_step, "freeze_step")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
         self.auto_mask = auto_mask
-        self.update_clip = None if update_clip is None else float(update_clip)
+        self.update_clip = update_clip
         if not bias_correction:
             self.warn_uncorrected_variance(betas[1])
 

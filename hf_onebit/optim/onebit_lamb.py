@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, logical
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_update_clip, logical
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 
@@ -136,6 +136,13 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             ``scale/eps``. :meth:`set_mask` overrides it per parameter.
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
             any state changes (the step's one host sync, see ``check_finite_grads``).
+        update_clip: in the compression phase the update is ``u = m/(max(sqrt(v), |m|/update_clip)
+            + eps) + wd·p``, so no coordinate of the adaptive share exceeds ``update_clip`` before
+            the trust ratio (``None``, default: the spec's update). 1-bit Adam's bound (see
+            :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`): a frozen ``v`` that is small where
+            the 1-bit momentum is ``±scale`` would otherwise give that coordinate a step of
+            ``scale/sqrt(v)``. The factor ``f`` still compares the unclipped ``sqrt(v)+eps`` with
+            ``sqrt(v_fresh)+eps``. Not per group. The HF integration passes 1.0.
     """
 
     def __init__(
@@ -155,8 +162,10 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         auto_mask: bool = True,
         scale_per_tensor: bool = False,
         check_finite: bool = True,
+        update_clip: float | None = None,
     ) -> None:
         self.init_freeze(freeze_step, "freeze_step")
+        self.update_clip = check_update_clip(update_clip)
         defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, Sequence) else betas, eps=eps,
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
@@ -271,9 +280,11 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         g_rec = torch.sub(new_m, m, alpha=beta1).div_(1 - beta1)  # (m − β1·m_prev)/(1−β1)
         m.copy_(new_m)
         v_fresh.mul_(beta2).addcmul_(g_rec, g_rec, value=1 - beta2)
-        denom = v.sqrt().add_(eps)
-        factor = (denom / v_fresh.sqrt().add_(eps)).max()
-        u = m / denom
+        root = v.sqrt()
+        factor = (root + eps).div_(v_fresh.sqrt().add_(eps)).max()
+        if self.update_clip is not None:  # |m/denom| <= update_clip
+            torch.maximum(root, m.abs().mul_(1 / self.update_clip), out=root)
+        u = m / root.add_(eps)
         if wd:
             pf = p if p.dtype == torch.float32 else p.float()
             prelim_norm = _norm(u)

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_positive_int
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_positive_int, check_update_clip
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 
@@ -68,6 +68,14 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             The momentum is not corrected (its bias only shrinks the first steps).
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
             any state changes (the step's one host sync, see ``check_finite_grads``).
+        update_clip: on every step that does not update the variance (1-bit gradient steps and
+            local steps) divide by ``max(sqrt(v̂), |m|/update_clip) + eps``, so no coordinate
+            moves by more than ``update_clip·lr`` (plus weight decay); at a sync the move
+            ``ū/(sqrt(v̂)+eps)`` is bounded the same way by ``update_clip·λ``, dividing by
+            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. ``None`` (default): the spec's update.
+            It is 1-bit Adam's bound (see :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`) in
+            0/1 Adam's two places where a stale variance meets compression noise. The HF
+            integration passes 1.0.
 
     Phases and what each step communicates (``n`` ranks):
 
@@ -149,9 +157,11 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         bias_correction: bool = True,
         scale_per_tensor: bool = False,
         check_finite: bool = True,
+        update_clip: float | None = None,
     ) -> None:
         check_common(lr, eps, weight_decay)
         check_betas(betas)
+        self.update_clip = check_update_clip(update_clip)
         self.init_freeze(var_freeze_step, "var_freeze_step")
         check_positive_int(var_update_scaler, "var_update_scaler")
         check_positive_int(local_step_scaler, "local_step_scaler")
@@ -330,11 +340,16 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             p.copy_(p32.sub_(delta))
         return delta
 
-    def _denominator(self, state: dict, group: dict) -> torch.Tensor:
-        """``sqrt(v) + eps``, with ``bias_correction`` ``sqrt(v)/sqrt(1 - β2**var_updates) + eps`` (new tensor)."""
+    def _denominator(self, state: dict, group: dict, clip_by: torch.Tensor | None = None,
+                     clip_scale: float = 1.0) -> torch.Tensor:
+        """``sqrt(v̂) + eps`` (new tensor), ``sqrt(v̂) = sqrt(v)/sqrt(1 - β2**var_updates)`` with
+        ``bias_correction``, else ``sqrt(v)``. With ``update_clip`` and ``clip_by`` (a momentum,
+        or a synced ``ū`` with ``clip_scale = λ``): ``max(sqrt(v̂), |clip_by|/(update_clip·clip_scale)) + eps``."""
         denom = state["exp_avg_sq"].sqrt()
         if self.bias_correction and self.var_updates:
             denom.div_(math.sqrt(1 - group["betas"][1] ** self.var_updates))
+        if self.update_clip is not None and clip_by is not None:
+            torch.maximum(denom, clip_by.abs().mul_(1 / (self.update_clip * clip_scale)), out=denom)
         return denom.add_(group["eps"])
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -380,7 +395,8 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 m.mul_(beta1).add_(grad, alpha=1 - beta1)
                 if "mask" in state:
                     m.mul_(state["mask"])
-                self._update(p, m, self._denominator(state, group), group["lr"], group["weight_decay"])
+                denom = self._denominator(state, group, None if variance_step else m)
+                self._update(p, m, denom, group["lr"], group["weight_decay"])
         if variance_step:
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:
@@ -401,7 +417,7 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 m.mul_(beta1).add_(grad, alpha=1 - beta1)
                 if "mask" in state:
                     m.mul_(state["mask"])
-                delta = self._update(p, m, self._denominator(state, group), group["lr"], group["weight_decay"])
+                delta = self._update(p, m, self._denominator(state, group, m), group["lr"], group["weight_decay"])
                 state["momentum_accumulator"].sub_(delta)
                 state["lr_sum"] += group["lr"]
         if plan is Plan.SYNC_AFTER_STEP:
@@ -466,7 +482,8 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 if lam > 0:
                     torch.div(ubar, -lam, out=state["exp_avg"])
                     point = state["synced_param"]
-                    point.addcdiv_(ubar, self._denominator(state, groups[id(p)]))  # the spec's (p - u) + ū/(sqrt(v)+eps)
+                    # the spec's (p - u) + ū/(sqrt(v)+eps); with update_clip no coordinate moves by more than update_clip·λ
+                    point.addcdiv_(ubar, self._denominator(state, groups[id(p)], ubar, lam))
                     p.copy_(point)
                 state["momentum_accumulator"].zero_()
                 state["lr_sum"] = 0.0

@@ -38,7 +38,8 @@ class OneBitLambSimulation:
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  freeze_step=100000, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
                  factor_min=0.5, factor_threshold=0.1, auto_mask=True, use_scaling=True,
-                 scale_per_tensor=False):
+                 scale_per_tensor=False, update_clip=None):
+        self.clip = update_clip  # hf_onebit's option: m/(max(sqrt(v), |m|/c) + eps) after the freeze
         self.p = [np.array(x, np.float32) for x in params]
         K = len(self.p)
         self.m = [np.zeros_like(x) for x in self.p]
@@ -117,6 +118,12 @@ class OneBitLambSimulation:
             self.v_fresh[k] = (b2 * self.v_fresh[k] + (1 - b2) * g_rec * g_rec).astype(np.float32)
             denom = (np.sqrt(self.v[k]) + np.float32(eps)).astype(np.float32)
             prelim = (self.m[k] / denom).astype(np.float32)
+            if self.clip is not None:
+                root = np.maximum(np.sqrt(self.v[k]), np.abs(self.m[k]) / np.float32(self.clip))
+                clipped_prelim = (self.m[k] / (root + np.float32(eps))).astype(np.float32)
+                self.binds["update_clip"] += int(np.sum(clipped_prelim != prelim))
+                prelim = clipped_prelim
+                assert np.abs(prelim).max(initial=0) <= self.clip * (1 + 1e-6)
             u = (prelim + np.float32(wd) * self.p[k]).astype(np.float32)
             f = float(np.max(denom / (np.sqrt(self.v_fresh[k]) + np.float32(eps))))
             if wd > 0:
@@ -214,6 +221,31 @@ def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, per_t
         else:
             assert sim.binds["factor_max"] > 0 and sim.binds["factor_min"] > 0, sim.binds
             assert sim.binds["coeff_max"] > 0 and sim.binds["coeff_min"] > 0, sim.binds
+
+
+def test_update_clip_matches_its_simulation_and_binds():
+    """update_clip=c: |m/(max(sqrt(v), |m|/c) + eps)| <= c after the freeze, on 2 ranks like the simulation."""
+    name, kwargs, steps = CONFIGS[0]
+    kwargs = dict(kwargs, scale_per_tensor=True, update_clip=0.5)
+    outs = run_distributed(_train_many, 2, [(kwargs, steps, {})])
+    runs = [o[0] for o in outs]
+    segments = runs[0]["segments"]
+    sim, expected = _simulate(2, segments, kwargs, steps)  # asserts the bound at every compressed step
+    for step in range(steps):
+        for r in range(2):
+            for got, want in zip(runs[r]["history"][step], expected[step]):
+                _assert_close(got.numpy(), want)
+    assert sim.binds["update_clip"] > 0, sim.binds  # the bound changed some coordinates' updates
+    _, unclipped = _simulate(2, segments, dict(kwargs, update_clip=None), steps)
+    assert any(not np.allclose(a, b) for a, b in zip(unclipped[-1], expected[-1]))
+
+
+def test_update_clip_is_validated():
+    from hf_onebit.optim.onebit_lamb import OneBitLamb
+
+    for bad in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="update_clip"):
+            OneBitLamb([torch.nn.Parameter(torch.ones(2))], update_clip=bad)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

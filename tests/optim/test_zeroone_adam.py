@@ -48,8 +48,11 @@ class ZeroOneAdamSimulation:
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
-                 auto_mask=True, bias_correction=False, scale_per_tensor=False):
+                 auto_mask=True, bias_correction=False, scale_per_tensor=False, update_clip=None):
         self.n = n
+        # hf_onebit's option: steps that do not update v divide by max(sqrt(v̂), |m|/c) + eps, and a
+        # sync moves by ū/(max(sqrt(v̂), |ū|/(c·λ)) + eps)
+        self.clip = update_clip
         # hf_onebit's deviation (auto_mask): coordinates never non-zero on a variance step, or with
         # sqrt(v) < eps/100, keep zero momentum and zero synced update from the first compressing step
         self.auto_mask, self.mask = auto_mask, None
@@ -76,11 +79,14 @@ class ZeroOneAdamSimulation:
         self.kinds: list[str] = []
         self.seen = [np.zeros(x.shape, bool) for x in self.v]
 
-    def _denom(self, k):
+    def _denom(self, k, clip_by=None, lam=1.0):
         c = np.float32(1)
         if self.bias_correction and self.var_updates:
             c = np.float32(np.sqrt(1 - self.b2 ** self.var_updates))
-        return np.sqrt(self.v[k]) / c + np.float32(self.eps)
+        root = np.sqrt(self.v[k]) / c
+        if self.clip is not None and clip_by is not None:
+            root = np.maximum(root, np.abs(clip_by) / np.float32(self.clip * lam))
+        return root + np.float32(self.eps)
 
     def _freeze_mask(self):
         if self.mask is None:
@@ -127,7 +133,8 @@ class ZeroOneAdamSimulation:
                     self.m[r][k] = b1 * self.m[r][k] + (1 - b1) * gbar[k]
                     if self.mask is not None:
                         self.m[r][k] = self.m[r][k] * self.mask[k]
-                    self.p[r][k] = self.p[r][k] - lr * (self.m[r][k] / self._denom(k) + wd * self.p[r][k])
+                    clip_by = None if kind == A else self.m[r][k]
+                    self.p[r][k] = self.p[r][k] - lr * (self.m[r][k] / self._denom(k, clip_by) + wd * self.p[r][k])
         else:
             if t == self.F + 1:  # entering the frozen phase: zero the error buffers
                 for comm in self.comm:
@@ -138,7 +145,7 @@ class ZeroOneAdamSimulation:
                 for k in range(P):
                     self.m[r][k] = b1 * self.m[r][k] + (1 - b1) * grads[r][k]
                     self.m[r][k] = self.m[r][k] * self.mask[k]
-                    delta = lr * (self.m[r][k] / self._denom(k) + wd * self.p[r][k])
+                    delta = lr * (self.m[r][k] / self._denom(k, self.m[r][k]) + wd * self.p[r][k])
                     self.p[r][k] = self.p[r][k] - delta
                     self.u[r][k] = self.u[r][k] - delta
                 self.lam[r] += lr
@@ -155,7 +162,9 @@ class ZeroOneAdamSimulation:
                 for r in range(n):
                     for k in range(P):
                         self.m[r][k] = -ubar[k] / self.lam[r]
-                        self.p[r][k] = self.p[r][k] + ubar[k] / self._denom(k)
+                        # one process: the exchange is exact and hf_onebit skips the round trip
+                        clip_by = ubar[k] if n > 1 else None
+                        self.p[r][k] = self.p[r][k] + ubar[k] / self._denom(k, clip_by, self.lam[r])
                         self.u[r][k] = np.zeros_like(self.u[r][k])
                     self.lam[r] = 0.0
             self.local_counter += 1
@@ -298,6 +307,61 @@ def test_every_phase_matches_the_spec(world_size, tmp_path, per_tensor=False):
 def test_scale_per_tensor_every_phase_matches_the_piece_simulation(world_size, tmp_path):
     # KWARGS keep bias_correction=False (the spec's arithmetic); EARLY_KWARGS keep their True
     test_every_phase_matches_the_spec(world_size, tmp_path, per_tensor=True)
+
+
+CLIP = 0.5
+
+
+def _clipped_run(rank, world_size):
+    return train(rank, world_size, OPT, dict(KWARGS, update_clip=CLIP), STEPS, record_steps=True)
+
+
+def test_update_clip_matches_its_simulation_and_bounds_every_step():
+    """update_clip=c: a 1-bit gradient step or a local step moves no coordinate by more than c·lr
+    (plus weight decay), a sync moves none by more than c·λ from the last synced point."""
+    outs = run_distributed(_clipped_run, 2)
+    assert _check_against_simulation(outs, dict(KWARGS, update_clip=CLIP), STEPS, 2) == SCHEDULE
+    lr, wd, freeze = KWARGS["lr"], KWARGS["weight_decay"], KWARGS["var_freeze_step"]
+    reached = {C: 0, L: 0, S: 0}
+    for out in outs:
+        history = out["history"]
+        last_sync = freeze
+        for t in range(2, STEPS + 1):
+            kind, after = SCHEDULE[t - 1], history[t - 1]
+            if kind in (C, L):
+                bound, moves = CLIP * lr, [(a - b * (1 - lr * wd)).abs() for a, b in zip(after, history[t - 2])]
+            elif kind == S:  # λ = lr · the local steps since the last sync (this one included)
+                bound, moves = CLIP * lr * (t - last_sync), [(a - b).abs() for a, b in zip(after, history[last_sync - 1])]
+                last_sync = t
+            else:
+                continue
+            for move in moves:
+                assert move.max() <= bound * (1 + 1e-5) + 1e-6, (t, kind, float(move.max()), bound)
+                reached[kind] += int((move >= bound * (1 - 1e-5) - 1e-6).sum())
+    assert reached[C] > 0 and reached[L] > 0, reached  # the bound was reached where it applies
+
+
+def test_update_clip_one_process_matches_the_simulation():
+    from hf_onebit.optim.zeroone_adam import ZeroOneAdam
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    kwargs = dict(KWARGS, update_clip=CLIP)
+    history, _, _ = _train_one_process(STEPS, ZeroOneAdam(model.parameters(), **kwargs), model)
+    sim = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 1, [list(range(5))], **kwargs)
+    plain = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 1, [list(range(5))], **KWARGS)
+    for step in range(1, STEPS + 1):
+        expected, unclipped = sim.step(_grads(step, 1)), plain.step(_grads(step, 1))
+        _check_params(history[step - 1], expected[0], f"step {step}")
+    assert any(not np.allclose(a, b) for a, b in zip(expected[0], unclipped[0]))  # the clip bound somewhere
+
+
+def test_update_clip_is_validated():
+    from hf_onebit.optim.zeroone_adam import ZeroOneAdam
+
+    for bad in (0, -1.0, float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="update_clip"):
+            ZeroOneAdam([torch.nn.Parameter(torch.ones(2))], update_clip=bad)
 
 
 # ---------------------------------------------------------------- one process (no DDP)
