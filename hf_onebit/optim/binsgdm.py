@@ -129,6 +129,7 @@ from hf_onebit.optim.base import (
     Plan,
     check_betas,
     check_common,
+    finite_flag,
     logger,
     write_flat_,
 )
@@ -609,7 +610,7 @@ class BinSGDM(OneBitOptimizer):
                 eps=group["eps"], m_out=m_next.view(-1), b_out=b_next.view(-1), theta=layout.theta[sl],
                 tmp=layout.uniform[sl],
             )
-            finite.append(torch.isfinite(b_next).all())
+            finite.append(finite_flag(b_next))
             worker.uniform_(layout.uniform[sl], t, item.index)
         n = layout.numel
         torch.lt(layout.uniform, layout.theta[:n], out=layout.votes[:n])

@@ -13,6 +13,7 @@ import torch
 from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_update_clip, logical
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
+from hf_onebit.optim.workspace import Workspace
 
 
 # ---------------------------------------------------------------- validation
@@ -174,6 +175,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         _check_lamb_group(defaults)
         super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
         self.auto_mask = auto_mask
+        self._workspace = Workspace()  # the compression step's temporaries (see workspace.py)
 
     def add_param_group(self, param_group: dict) -> None:
         """As in torch, plus a check of the group's hyperparameters *before* it is added."""
@@ -271,20 +273,24 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
         m, v, v_fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
+        ws = self._workspace  # slot 0: new m, then sqrt(v); slot 1: g̃, then the update u; slot 2: scratch
         if synced:  # the hook delivered the averaged momentum in .grad
-            new_m = grad
+            new_m = grad if "mask" not in state else torch.mul(grad, state["mask"], out=ws.get(0, p))
         else:  # one process: the momentum is local and exact
-            new_m = torch.mul(m, beta1).add_(grad, alpha=1 - beta1)
-        if "mask" in state:
-            new_m = new_m * state["mask"]
-        g_rec = torch.sub(new_m, m, alpha=beta1).div_(1 - beta1)  # (m − β1·m_prev)/(1−β1)
+            new_m = torch.mul(m, beta1, out=ws.get(0, p)).add_(grad, alpha=1 - beta1)
+            if "mask" in state:
+                new_m.mul_(state["mask"])
+        g_rec = torch.sub(new_m, m, alpha=beta1, out=ws.get(1, p)).div_(1 - beta1)  # (m − β1·m_prev)/(1−β1)
         m.copy_(new_m)
         v_fresh.mul_(beta2).addcmul_(g_rec, g_rec, value=1 - beta2)
-        root = v.sqrt()
-        factor = (root + eps).div_(v_fresh.sqrt().add_(eps)).max()
+        root = torch.sqrt(v, out=ws.get(0, p))
+        denom = torch.add(root, eps, out=ws.get(2, p))  # sqrt(v) + eps
+        fresh = torch.sqrt(v_fresh, out=ws.get(1, p)).add_(eps)
+        factor = torch.div(denom, fresh, out=fresh).max()
         if self.update_clip is not None:  # |m/denom| <= update_clip
-            torch.maximum(root, m.abs().mul_(1 / self.update_clip), out=root)
-        u = m / root.add_(eps)
+            torch.maximum(root, torch.abs(m, out=ws.get(1, p)).mul_(1 / self.update_clip), out=root)
+            denom = root.add_(eps)
+        u = torch.div(m, denom, out=ws.get(1, p))
         if wd:
             pf = p if p.dtype == torch.float32 else p.float()
             prelim_norm = _norm(u)
