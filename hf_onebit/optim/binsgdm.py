@@ -192,8 +192,16 @@ def vote_threshold_(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: 
 
     ``m_out = β·m + (1-β)·g``, ``b_out = β·b + (1-β)·|g|``, ``theta = (1 + m_out/(b_out+eps))/2``,
     the probability of a ``+1`` vote. Every operation is rounded on its own (no fused
-    multiply-add), so a plain float32 re-implementation reproduces it bitwise.
+    multiply-add), so a plain float32 re-implementation reproduces it bitwise. The CPU kernel
+    backend has it as one fused pass (``kernels.cpu.vote_threshold``, bitwise the same), taken
+    for contiguous fp32 tensors; ``HF_ONEBIT_KERNELS=reference`` keeps the torch operations.
     """
+    backend = get_backend(m.device)
+    fused = getattr(backend, "vote_threshold", None)
+    tensors = (m, b, g, m_out, b_out, theta)
+    if fused is not None and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        fused(m, b, g, beta=beta, eps=eps, m_out=m_out, b_out=b_out, theta=theta)
+        return
     torch.mul(g, 1.0 - beta, out=tmp)
     torch.mul(m, beta, out=m_out)
     m_out.add_(tmp)

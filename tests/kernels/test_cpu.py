@@ -483,3 +483,39 @@ def test_bad_bounds_are_refused():
         cpu.worker_pack(x, error, torch.ones(5), 0, torch.empty(2, dtype=torch.uint8), bounds=[0, 8, 16])
     with pytest.raises(ValueError):  # 2 ranks x 2 pieces: there is no rank 2
         cpu.worker_pack(x, error, torch.ones(2, 2), 2, torch.empty(2, dtype=torch.uint8), bounds=[0, 8, 16])
+
+
+# ---------------------------------------------------------------- BinSGDM's fused worker math
+@pytest.mark.parametrize("eps", [1e-8, 0.0])
+@pytest.mark.parametrize("beta", [0.9, 0.5])
+def test_vote_threshold_is_bitwise_the_torch_operations(monkeypatch, eps, beta):
+    from hf_onebit.optim.binsgdm import vote_threshold_
+
+    gen = torch.Generator().manual_seed(0)
+    n = 100_003
+    def wide(): return torch.randn(n, generator=gen) * 10.0 ** torch.randint(-8, 3, (n,), generator=gen).float()
+    m, g = wide(), wide()
+    b = m.abs() * torch.rand(n, generator=gen) * 3
+    m[:10], b[:10], g[:5] = 0.0, 0.0, 0.0  # 0/0 with eps == 0: z = 0
+    g[20], g[21], m[22], b[23], g[24] = float("inf"), float("nan"), float("nan"), float("inf"), float("-inf")
+    monkeypatch.setenv("HF_ONEBIT_KERNELS", "reference")  # the torch operations
+    want = [torch.empty(n) for _ in range(3)]
+    vote_threshold_(m, b, g, beta=beta, eps=eps, m_out=want[0], b_out=want[1], theta=want[2], tmp=torch.empty(n))
+    got = [torch.empty(n) for _ in range(3)]
+    cpu.vote_threshold(m, b, g, beta=beta, eps=eps, m_out=got[0], b_out=got[1], theta=got[2])
+    for name, a, w in zip(("m_out", "b_out", "theta"), got, want):
+        assert torch.equal(a.view(torch.int32), w.view(torch.int32)), name  # bit patterns, NaNs included
+    assert torch.isinf(got[1]).any() and torch.isnan(got[0]).any()  # the special values reached the outputs
+    assert bool(torch.isnan(got[2]).any()) == (eps != 0)  # with eps == 0 a NaN z is 0 (0/0 of unseen coordinates)
+    monkeypatch.delenv("HF_ONEBIT_KERNELS")
+    fused = [torch.empty(n) for _ in range(3)]  # BinSGDM's own call takes the fused pass on CPU
+    vote_threshold_(m, b, g, beta=beta, eps=eps, m_out=fused[0], b_out=fused[1], theta=fused[2], tmp=torch.empty(n))
+    assert all(torch.equal(a.view(torch.int32), w.view(torch.int32)) for a, w in zip(fused, want))
+
+
+def test_vote_threshold_refuses_what_it_cannot_write():
+    x = torch.zeros(8)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu.vote_threshold(x, x, x, beta=0.9, eps=1e-8, m_out=torch.zeros(8, 2)[:, 0], b_out=x.clone(), theta=x.clone())
+    with pytest.raises(ValueError, match="lengths differ"):
+        cpu.vote_threshold(x, x, x, beta=0.9, eps=1e-8, m_out=torch.zeros(7), b_out=x.clone(), theta=x.clone())
