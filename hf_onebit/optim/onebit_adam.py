@@ -24,6 +24,7 @@ import torch
 from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_update_clip
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
+from hf_onebit.optim.workspace import Workspace
 
 
 def adam_update_(
@@ -37,17 +38,23 @@ def adam_update_(
     bias_correction1: float,
     bias_correction2: float,
     update_clip: float | None = None,
+    workspace: Workspace | None = None,
 ) -> None:
     """``p -= lr·(m̂/(sqrt(v̂)+eps) + wd·p)`` in AdamW's operation order (the functional core).
 
     With ``update_clip = c`` the denominator is ``max(sqrt(v̂), |m̂|/c) + eps``: no coordinate
-    moves by more than ``c·lr`` (see :class:`OneBitAdam`'s ``update_clip``).
+    moves by more than ``c·lr`` (see :class:`OneBitAdam`'s ``update_clip``). A ``workspace``
+    holds the temporaries (same results; see :mod:`hf_onebit.optim.workspace`).
     """
     if weight_decay:
         p.mul_(1 - lr * weight_decay)
-    denom = v.sqrt() / math.sqrt(bias_correction2)
+    if workspace is None:
+        denom = v.sqrt().div_(math.sqrt(bias_correction2))
+    else:
+        denom = torch.sqrt(v, out=workspace.get(0, v)).div_(math.sqrt(bias_correction2))
     if update_clip is not None:
-        torch.maximum(denom, m.abs().mul_(1 / (bias_correction1 * update_clip)), out=denom)
+        ratio = m.abs() if workspace is None else torch.abs(m, out=workspace.get(1, m))
+        torch.maximum(denom, ratio.mul_(1 / (bias_correction1 * update_clip)), out=denom)
     denom.add_(eps)
     if p.dtype == torch.float32:
         p.addcdiv_(m, denom, value=-lr / bias_correction1)
@@ -107,6 +114,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
         self.auto_mask = auto_mask
         self.update_clip = update_clip
+        self._workspace = Workspace()  # the step's temporaries (see workspace.py)
         if not bias_correction:
             self.warn_uncorrected_variance(betas[1])
 
@@ -185,6 +193,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                     p, m, v, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
                     bias_correction1=bc1, bias_correction2=bc2,
                     update_clip=self.update_clip if plan is Plan.COMPRESS_MOMENTUM else None,
+                    workspace=self._workspace,
                 )
         if plan is Plan.ALLREDUCE:
             self.observe_variance(t, t)

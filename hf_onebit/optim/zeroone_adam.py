@@ -31,6 +31,7 @@ import torch
 from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_positive_int, check_update_clip
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
+from hf_onebit.optim.workspace import Workspace
 
 
 class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
@@ -162,6 +163,7 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         check_common(lr, eps, weight_decay)
         check_betas(betas)
         self.update_clip = check_update_clip(update_clip)
+        self._workspace = Workspace()  # slot 0: the denominator; slot 1: |m|/c, then the update Δ
         self.init_freeze(var_freeze_step, "var_freeze_step")
         check_positive_int(var_update_scaler, "var_update_scaler")
         check_positive_int(local_step_scaler, "local_step_scaler")
@@ -326,11 +328,11 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                     st["lr_sum"] = float(entry["lr_sum"])
 
     # ---------------------------------------------------------------- step
-    @staticmethod
-    def _update(p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, wd: float) -> torch.Tensor:
-        """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``; ``p -= Δ``; returns Δ."""
+    def _update(self, p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, wd: float) -> torch.Tensor:
+        """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``; ``p -= Δ``; returns Δ
+        (a workspace tensor, valid until the next update)."""
         p32 = p if p.dtype == torch.float32 else p.float()
-        delta = torch.div(m, denom)
+        delta = torch.div(m, denom, out=self._workspace.get(1, m))
         if wd:
             delta.add_(p32, alpha=wd)
         delta.mul_(lr)
@@ -342,14 +344,17 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
 
     def _denominator(self, state: dict, group: dict, clip_by: torch.Tensor | None = None,
                      clip_scale: float = 1.0) -> torch.Tensor:
-        """``sqrt(v̂) + eps`` (new tensor), ``sqrt(v̂) = sqrt(v)/sqrt(1 - β2**var_updates)`` with
-        ``bias_correction``, else ``sqrt(v)``. With ``update_clip`` and ``clip_by`` (a momentum,
-        or a synced ``ū`` with ``clip_scale = λ``): ``max(sqrt(v̂), |clip_by|/(update_clip·clip_scale)) + eps``."""
-        denom = state["exp_avg_sq"].sqrt()
+        """``sqrt(v̂) + eps`` (a workspace tensor, valid until the next call), ``sqrt(v̂) =
+        sqrt(v)/sqrt(1 - β2**var_updates)`` with ``bias_correction``, else ``sqrt(v)``. With
+        ``update_clip`` and ``clip_by`` (a momentum, or a synced ``ū`` with ``clip_scale = λ``):
+        ``max(sqrt(v̂), |clip_by|/(update_clip·clip_scale)) + eps``."""
+        v = state["exp_avg_sq"]
+        denom = torch.sqrt(v, out=self._workspace.get(0, v))
         if self.bias_correction and self.var_updates:
             denom.div_(math.sqrt(1 - group["betas"][1] ** self.var_updates))
         if self.update_clip is not None and clip_by is not None:
-            torch.maximum(denom, clip_by.abs().mul_(1 / (self.update_clip * clip_scale)), out=denom)
+            ratio = torch.abs(clip_by, out=self._workspace.get(1, v))
+            torch.maximum(denom, ratio.mul_(1 / (self.update_clip * clip_scale)), out=denom)
         return denom.add_(group["eps"])
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
