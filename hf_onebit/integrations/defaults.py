@@ -71,17 +71,19 @@ def default_freeze_arguments(optim: str) -> dict:
       longer than a fine-tuning run or too early for it;
     * ``scale_per_tensor=True`` for the optimizers that compress with error feedback: one scale
       per parameter tensor, so small-gradient tensors are not rebuilt at their bucket's scale;
-    * ``update_clip=1.0`` for 1-bit Adam: no coordinate moves by more than ``lr`` per step after
-      the freeze, which Adam's own update nearly never exceeds; it keeps an early freeze from
-      diverging (:class:`~hf_onebit.optim.onebit_adam.OneBitAdam`).
+    * ``update_clip=1.0`` for 1-bit Adam, 0/1 Adam and 1-bit LAMB: where the variance is stale
+      (after the freeze; 0/1 Adam's steps that do not update it) no coordinate's adaptive step
+      exceeds 1 (``lr`` for the Adams), which Adam's own update nearly never exceeds; it keeps an
+      early freeze and 1-bit noise on small-variance coordinates from blowing up the step
+      (docs/algorithms.md, "Update clip").
     """
     if optim not in FREEZE_ARGUMENT:
         return {}
     return {FREEZE_ARGUMENT[optim]: "auto", "scale_per_tensor": True, **UPDATE_CLIP.get(optim, {})}
 
 
-#: measured for 1-bit Adam only (docs/benchmarks.md); 0/1 Adam and 1-bit LAMB have no such option yet
-UPDATE_CLIP = {"onebit_adam": {"update_clip": 1.0}}
+#: measured in docs/benchmarks.md ("Update clip"): the convergence benchmark over 3 seeds
+UPDATE_CLIP = {name: {"update_clip": 1.0} for name in ("onebit_adam", "zeroone_adam", "onebit_lamb")}
 
 
 # --------------------------------------------------------------------------- what the user gave

@@ -115,7 +115,10 @@ def test_default_freeze_arguments_is_the_one_place_the_warmup_default_is_decided
 
     assert defaults.default_freeze_arguments("onebit_adam") == {"freeze_step": "auto", "scale_per_tensor": True,
                                                                 "update_clip": 1.0}
-    assert defaults.default_freeze_arguments("zeroone_adam") == {"var_freeze_step": "auto", "scale_per_tensor": True}
+    assert defaults.default_freeze_arguments("zeroone_adam") == {"var_freeze_step": "auto", "scale_per_tensor": True,
+                                                                 "update_clip": 1.0}
+    assert defaults.default_freeze_arguments("onebit_lamb") == {"freeze_step": "auto", "scale_per_tensor": True,
+                                                                "update_clip": 1.0}
     assert defaults.default_freeze_arguments("binsgdm") == {}
     monkeypatch.setattr(options, "default_freeze_arguments", lambda name: {"freeze_step": 7})
     assert options.optimizer_kwargs("onebit_adam", Args())[1]["freeze_step"] == 7
