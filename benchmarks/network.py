@@ -1029,7 +1029,8 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
         row = r["summary"]["rows"].get(m)
         if row:
             ax.plot(range(1, len(row["loss"]) + 1), ema(row["loss"]), color=colors[m], label=LABELS[m])
-    ax.axvline(meta["freeze"] + 0.5, color="0.5", ls="--", lw=1)
+    if isinstance(meta["freeze"], int):  # "auto": each method chose its own step (see the log)
+        ax.axvline(meta["freeze"] + 0.5, color="0.5", ls="--", lw=1)
     ax.set_ylim(*ylim)
     ax.set_xlabel("step (dashed: end of warmup/freeze)")
     ax.set_title("loss vs step (same at every rate)")
