@@ -432,9 +432,9 @@ def onebit_optimizer(method: str, params, args, freeze: int):
     if method == "onebit_adam":
         return hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=freeze, **extra)
     if method == "zeroone_adam":
-        return hf_onebit.ZeroOneAdam(params, lr=args.lr, betas=(0.9, 0.99), var_freeze_step=freeze,
-                                     var_update_scaler=max(1, estimate // 4), local_step_scaler=max(1, args.steps // 10),
-                                     local_step_clipper=16, **extra)
+        scaled = dict(betas=(0.9, 0.99), var_update_scaler=max(1, estimate // 4),
+                      local_step_scaler=max(1, args.steps // 10), local_step_clipper=16)
+        return hf_onebit.ZeroOneAdam(params, lr=args.lr, var_freeze_step=freeze, **{**scaled, **extra})  # --onebit-args wins
     if method == "onebit_lamb":
         return hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=freeze, **extra)
     if method == "binsgdm":  # its vote sends signs only: no scale to take per tensor, no variance to clip by
