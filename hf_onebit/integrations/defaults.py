@@ -79,11 +79,7 @@ def default_freeze_arguments(optim: str) -> dict:
     """
     if optim not in FREEZE_ARGUMENT:
         return {}
-    return {FREEZE_ARGUMENT[optim]: "auto", "scale_per_tensor": True, **UPDATE_CLIP.get(optim, {})}
-
-
-#: measured in docs/benchmarks.md ("Update clip"): the convergence benchmark over 3 seeds
-UPDATE_CLIP = {name: {"update_clip": 1.0} for name in ("onebit_adam", "zeroone_adam", "onebit_lamb")}
+    return {FREEZE_ARGUMENT[optim]: "auto", "scale_per_tensor": True, "update_clip": 1.0}
 
 
 # --------------------------------------------------------------------------- what the user gave

@@ -39,7 +39,6 @@ uninterrupted one. A bucket that matches neither becomes a new segment.
 from __future__ import annotations
 
 import enum
-import math
 import logging
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
@@ -49,6 +48,7 @@ import torch.distributed as dist
 
 from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce, MeanAllReduce, executor_for
 from hf_onebit.kernels import ENV_VAR as KERNELS_ENV
+from hf_onebit.optim.workspace import Workspace
 
 logger = logging.getLogger("hf_onebit")
 
@@ -163,15 +163,6 @@ def check_positive_int(value: int, name: str) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def check_update_clip(value: float | None) -> float | None:
-    """``update_clip`` is ``None`` or a finite number > 0; returns it as a float (or ``None``)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"update_clip must be a positive number or None, got {value!r}")
-    return float(value)
-
-
 def check_nonneg_int(value: int, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
@@ -237,6 +228,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self.comm_stats = CommStats()
         self.process_group: dist.ProcessGroup | None = None  # set by hf_onebit.attach (None: not attached)
         self.grad_scale: Callable[[], torch.Tensor | None] | None = None
+        self._workspace = Workspace()  # the step's temporaries (see workspace.py)
         self.steps_done = 0  # optimizer steps completed (t of the last step)
         self._segments: dict[tuple[int, ...], Segment] = {}
         self._pending_rank_state: dict | None = None

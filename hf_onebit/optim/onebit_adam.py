@@ -21,9 +21,10 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_update_clip
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
+from hf_onebit.optim.update_clip import check_update_clip, clip_root_
 from hf_onebit.optim.workspace import Workspace
 
 
@@ -48,13 +49,9 @@ def adam_update_(
     """
     if weight_decay:
         p.mul_(1 - lr * weight_decay)
-    if workspace is None:
-        denom = v.sqrt().div_(math.sqrt(bias_correction2))
-    else:
-        denom = torch.sqrt(v, out=workspace.get(0, v)).div_(math.sqrt(bias_correction2))
+    denom = torch.sqrt(v, out=None if workspace is None else workspace.get(0, v)).div_(math.sqrt(bias_correction2))
     if update_clip is not None:
-        ratio = m.abs() if workspace is None else torch.abs(m, out=workspace.get(1, m))
-        torch.maximum(denom, ratio.mul_(1 / (bias_correction1 * update_clip)), out=denom)
+        clip_root_(denom, m, bias_correction1 * update_clip, None if workspace is None else workspace.get(1, m))
     denom.add_(eps)
     if p.dtype == torch.float32:
         p.addcdiv_(m, denom, value=-lr / bias_correction1)
@@ -107,14 +104,12 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         update_clip: float | None = None,
     ) -> None:
         check_common(lr, eps, weight_decay)
-        update_clip = check_update_clip(update_clip)
         check_betas(betas)
+        self.update_clip = check_update_clip(update_clip)
         self.init_freeze(freeze_step, "freeze_step")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
         self.auto_mask = auto_mask
-        self.update_clip = update_clip
-        self._workspace = Workspace()  # the step's temporaries (see workspace.py)
         if not bias_correction:
             self.warn_uncorrected_variance(betas[1])
 

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_update_clip, logical
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, logical
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.workspace import Workspace
+from hf_onebit.optim.update_clip import check_update_clip, clip_root_
 
 
 # ---------------------------------------------------------------- validation
@@ -175,7 +175,6 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         _check_lamb_group(defaults)
         super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
         self.auto_mask = auto_mask
-        self._workspace = Workspace()  # the compression step's temporaries (see workspace.py)
 
     def add_param_group(self, param_group: dict) -> None:
         """As in torch, plus a check of the group's hyperparameters *before* it is added."""
@@ -288,8 +287,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         fresh = torch.sqrt(v_fresh, out=ws.get(1, p)).add_(eps)
         factor = torch.div(denom, fresh, out=fresh).max()
         if self.update_clip is not None:  # |m/denom| <= update_clip
-            torch.maximum(root, torch.abs(m, out=ws.get(1, p)).mul_(1 / self.update_clip), out=root)
-            denom = root.add_(eps)
+            denom = clip_root_(root, m, self.update_clip, ws.get(1, p)).add_(eps)
         u = torch.div(m, denom, out=ws.get(1, p))
         if wd:
             pf = p if p.dtype == torch.float32 else p.float()

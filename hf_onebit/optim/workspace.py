@@ -33,7 +33,3 @@ class Workspace:
         if buf is None or buf.numel() < n:
             buf = self._buffers[key] = torch.empty(n, dtype=torch.float32, device=like.device)
         return buf[:n].view(like.shape)
-
-    def clear(self) -> None:
-        """Release every buffer (they are rebuilt on the next use)."""
-        self._buffers.clear()

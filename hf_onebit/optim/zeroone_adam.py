@@ -28,10 +28,10 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_positive_int, check_update_clip
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_positive_int
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.workspace import Workspace
+from hf_onebit.optim.update_clip import check_update_clip, clip_root_
 
 
 class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
@@ -163,7 +163,6 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         check_common(lr, eps, weight_decay)
         check_betas(betas)
         self.update_clip = check_update_clip(update_clip)
-        self._workspace = Workspace()  # slot 0: the denominator; slot 1: |m|/c, then the update Δ
         self.init_freeze(var_freeze_step, "var_freeze_step")
         check_positive_int(var_update_scaler, "var_update_scaler")
         check_positive_int(local_step_scaler, "local_step_scaler")
@@ -348,13 +347,12 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         sqrt(v)/sqrt(1 - β2**var_updates)`` with ``bias_correction``, else ``sqrt(v)``. With
         ``update_clip`` and ``clip_by`` (a momentum, or a synced ``ū`` with ``clip_scale = λ``):
         ``max(sqrt(v̂), |clip_by|/(update_clip·clip_scale)) + eps``."""
-        v = state["exp_avg_sq"]
+        v = state["exp_avg_sq"]  # workspace slot 0: the denominator; slot 1: |clip_by|, then the update Δ
         denom = torch.sqrt(v, out=self._workspace.get(0, v))
         if self.bias_correction and self.var_updates:
             denom.div_(math.sqrt(1 - group["betas"][1] ** self.var_updates))
         if self.update_clip is not None and clip_by is not None:
-            ratio = torch.abs(clip_by, out=self._workspace.get(1, v))
-            torch.maximum(denom, ratio.mul_(1 / (self.update_clip * clip_scale)), out=denom)
+            clip_root_(denom, clip_by, self.update_clip * clip_scale, self._workspace.get(1, v))
         return denom.add_(group["eps"])
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
