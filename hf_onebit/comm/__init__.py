@@ -2,7 +2,7 @@
 
 from hf_onebit.comm.allreduce import MeanAllReduce
 from hf_onebit.comm.compressed import CompressedAllReduce, padded_length
-from hf_onebit.comm.executor import executor_for, run_ordered, runs_inline
+from hf_onebit.comm.executor import executor_for, runs_inline
 from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
 
 __all__ = [
@@ -13,6 +13,5 @@ __all__ = [
     "allreduce_bytes",
     "executor_for",
     "padded_length",
-    "run_ordered",
     "runs_inline",
 ]

@@ -35,6 +35,3 @@ class MeanAllReduce:
 
     def allreduce_async(self, x: torch.Tensor) -> torch.futures.Future:
         return executor_for(self.group, x.device).submit(lambda: self(x))
-
-    def allreduce(self, x: torch.Tensor) -> torch.Tensor:
-        return self.allreduce_async(x).wait()

@@ -352,10 +352,6 @@ class CompressedAllReduce:
             self.server_error, self._next_server_error = self._next_server_error, self.server_error
             self._uncommitted = False
 
-    def discard(self) -> None:
-        """Forget the errors of the last call (a skipped step); the committed ones stay."""
-        self._uncommitted = False
-
     def reset(self) -> None:
         """Zero both error buffers (0/1 Adam does this when it enters its local-step phase)."""
         self.worker_error.zero_()

@@ -72,9 +72,6 @@ class StreamExecutor:
             fut.set_exception(exc)
         return fut
 
-    def shutdown(self) -> None:
-        pass
-
 
 def _tensors(value: Any) -> list:
     if isinstance(value, torch.Tensor):
@@ -150,11 +147,6 @@ def executor_for(group: dist.ProcessGroup | None = None, device: torch.device | 
         return entry[1]
 
 
-def run_ordered(job: Job, group: dist.ProcessGroup | None = None, device: torch.device | None = None):
-    """Run ``job`` through the group's executor and wait for it (blocking convenience)."""
-    return executor_for(group, device).submit(job).wait()
-
-
 def release_at_exit() -> None:
     """Stop the worker threads and destroy the default process group before the interpreter dies.
 
@@ -170,6 +162,7 @@ def release_at_exit() -> None:
         entries = list(_EXECUTORS.values())
         _EXECUTORS.clear()
     for _, executor in entries:
-        executor.shutdown()
+        if isinstance(executor, ThreadExecutor):  # stream executors hold no thread
+            executor.shutdown()
     if dist.is_available() and dist.is_initialized() and "nccl" not in str(dist.get_backend()):
         dist.destroy_process_group()

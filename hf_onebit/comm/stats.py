@@ -51,17 +51,15 @@ class CommRecord:
 
 
 class CommStats:
-    """Thread-safe running totals plus the last call (calls finish on the communication thread)."""
+    """Thread-safe running totals (calls finish on the communication thread)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.total = CommRecord()
-        self.last = CommRecord()
 
     def record(self, call: CommRecord) -> None:
         with self._lock:
             self.total += call
-            self.last = call
 
     def snapshot(self) -> CommRecord:
         """A copy of the running totals, safe to read while calls are in flight."""
@@ -72,8 +70,3 @@ class CommStats:
         """Continue counting from ``total`` (a resumed run)."""
         with self._lock:
             self.total = CommRecord(**asdict(total))
-
-    def reset(self) -> None:
-        with self._lock:
-            self.total = CommRecord()
-            self.last = CommRecord()

@@ -27,7 +27,9 @@ def test_executor_follows_the_device_not_the_backend_name(monkeypatch):
         assert ex.executor_for(group, torch.device("cuda", 0)) is not cuda
     finally:
         for key in [k for k in ex._EXECUTORS if k[0] == id(group)]:
-            ex._EXECUTORS.pop(key)[1].shutdown()
+            executor = ex._EXECUTORS.pop(key)[1]
+            if isinstance(executor, ex.ThreadExecutor):
+                executor.shutdown()
 
 
 def _device_named_group(rank, world_size):
@@ -77,7 +79,7 @@ def _fp16_mean(rank, world_size):
 
     x = torch.full((16,), 40000.0 + 8 * rank, dtype=torch.float16)  # sum over ranks > fp16 max (65504)
     y = torch.full((16,), 3.0 + rank, dtype=torch.float32)
-    return MeanAllReduce().allreduce(x), MeanAllReduce().allreduce(y)
+    return MeanAllReduce().allreduce_async(x).wait(), MeanAllReduce().allreduce_async(y).wait()
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -95,7 +97,7 @@ def _released_at_exit(rank, world_size):
     registered = []
     ex.atexit.register = registered.append  # this spawned process only: record, do not run at exit
     total = torch.full((3,), float(rank + 1))
-    ex.run_ordered(lambda: dist.all_reduce(total), device=total.device)
+    ex.executor_for(None, total.device).submit(lambda: dist.all_reduce(total)).wait()
     thread = ex.executor_for(None, total.device)._thread
     assert registered == [ex.release_at_exit], registered
     ex.executor_for(None, total.device)  # a second use registers nothing more
