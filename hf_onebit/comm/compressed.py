@@ -52,6 +52,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
+from hf_onebit.comm.compat import all_gather_into_tensor
 from hf_onebit.comm.executor import executor_for
 from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
 from hf_onebit.kernels import get_backend, load_backend
@@ -64,10 +65,6 @@ def _describe(sizes) -> str:
         return "one scale per chunk (piece_sizes=None)"
     more = "..." if len(sizes) > 8 else ""
     return f"one scale per tensor (piece_sizes={list(sizes)[:8]}{more})"
-
-
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def padded_length(numel: int, world_size: int) -> int:
@@ -227,7 +224,7 @@ class CompressedAllReduce:
 
         # Round 1: worker scales. Every rank learns every rank's scale (and its finiteness).
         own = k.worker_scale(x, worker_error).reshape(1)
-        _all_gather(self._scales, own, group=group)
+        all_gather_into_tensor(self._scales, own, group=group)
         k.worker_pack(x, worker_error, self._scales, self.rank, self._send_bits)
 
         # Round 2: chunk j of every rank's signs goes to rank j.
@@ -238,7 +235,7 @@ class CompressedAllReduce:
         k.server_pack(recv, self._scales, server_error, t, self._payload[4:])
 
         # Round 3: every server's scale and signs go to every rank.
-        _all_gather(self._gathered, self._payload, group=group)
+        all_gather_into_tensor(self._gathered, self._payload, group=group)
         rows = self._gathered.view(n, 4 + self.chunk // 8)
         self._gathered_scales.copy_(rows[:, :4])
         self._gathered_bits.copy_(rows[:, 4:])
@@ -254,7 +251,7 @@ class CompressedAllReduce:
 
         # Round 1: every rank's P piece scales.
         own = k.worker_scale(x, worker_error, bounds=bounds)
-        _all_gather(self._scales, own, group=group)
+        all_gather_into_tensor(self._scales, own, group=group)
         scales = self._scales.view(n, P)
         # One non-finite scale anywhere poisons them all (a device op, no host sync), so no
         # error buffer changes on any rank and the whole result is non-finite everywhere.
@@ -272,7 +269,7 @@ class CompressedAllReduce:
         k.server_pack(recv, chunk_scales, server_error, t, self._payload[head:], bounds=local)
 
         # Round 3: every server's piece scales and signs go to every rank.
-        _all_gather(self._gathered, self._payload, group=group)
+        all_gather_into_tensor(self._gathered, self._payload, group=group)
         rows = self._gathered.view(n, head + self.chunk // 8)
         self._gathered_scales.copy_(rows[:, :head])
         self._gathered_bits.copy_(rows[:, head:])

@@ -82,6 +82,7 @@ from .reference import check_bounds, pack_signs, unpack_signs
 
 __all__ = [
     "check_bounds",
+    "pack_bools",
     "pack_signs",
     "server_average",
     "server_pack",
@@ -730,6 +731,15 @@ def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *
     sc = torch.from_numpy(_scales_f32(scales, bnd.size - 1))
     lut = torch.stack((sc * -1.0, sc * 1.0), dim=1).to(out.dtype).view(raw)
     _unpack_pieces(bn.reshape(-1), lut.numpy(), bnd, out.detach().reshape(-1).view(raw).numpy())
+
+
+def pack_bools(flags: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`hf_onebit.kernels.reference.pack_bools` as one vectorised pass (``numpy.packbits``)."""
+    _check_cpu("flags", flags)
+    _check_cpu("out", out)
+    if flags.numel() % 8 or out.numel() * 8 != flags.numel():
+        raise ValueError(f"pack_bools: {flags.numel()} flags (a multiple of 8) into {out.numel()} bytes")
+    out.numpy()[:] = np.packbits(flags.numpy())
 
 
 # --------------------------------------------------------------------------------------------

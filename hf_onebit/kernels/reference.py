@@ -59,6 +59,7 @@ import torch
 
 __all__ = [
     "pack_signs",
+    "pack_bools",
     "unpack_signs",
     "worker_scale",
     "worker_pack",
@@ -72,8 +73,16 @@ __all__ = [
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 
 
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
 def _weights(device: torch.device) -> torch.Tensor:
-    return torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=device)
+    """:data:`_BIT_WEIGHTS` on ``device``, made once: a ``torch.tensor`` of a Python list per
+    call would copy from the host, which on CUDA waits for the device."""
+    w = _WEIGHTS.get(device)
+    if w is None:
+        w = _WEIGHTS[device] = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=device)
+    return w
 
 
 def pack_signs(y: torch.Tensor) -> torch.Tensor:
@@ -82,6 +91,14 @@ def pack_signs(y: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_signs needs a multiple of 8 elements, got {y.numel()}")
     bits = (y.reshape(-1, 8) >= 0).to(torch.uint8) * _weights(y.device)
     return bits.sum(dim=1, dtype=torch.uint8)
+
+
+def pack_bools(flags: torch.Tensor, out: torch.Tensor) -> None:
+    """Pack the bool vector ``flags`` into ``out`` (uint8), MSB first, 1 = True: the layout of
+    :func:`pack_signs`. ``flags.numel()`` must be a multiple of 8, ``out`` hold an eighth of it."""
+    if flags.numel() % 8 or out.numel() * 8 != flags.numel():
+        raise ValueError(f"pack_bools: {flags.numel()} flags (a multiple of 8) into {out.numel()} bytes")
+    out.copy_((flags.view(-1, 8).to(torch.uint8) * _weights(flags.device)).sum(dim=1, dtype=torch.uint8))
 
 
 def unpack_signs(bits: torch.Tensor) -> torch.Tensor:

@@ -75,11 +75,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import check_bounds, pack_signs, unpack_signs
+from .reference import check_bounds, pack_bools, pack_signs, unpack_signs
 
 __all__ = [
     "check_bounds",
     "DEFAULT_BLOCK",
+    "pack_bools",
     "pack_signs",
     "server_average",
     "server_pack",

@@ -40,56 +40,21 @@ VOTE  flat: all-gather of 1 bit per element     ``(n-1)·(4 + N/8)``        ``q�
       node, 1-bit all-gather between nodes
 ===== ========================================= ========================== ====================
 
-(``N`` = bucket elements padded to a multiple of 8, or ``8k`` hierarchically.) ``.grad``
-holds the vote average ``q̄`` in the gradient's dtype; its values are multiples of ``1/n``
-(``1/M`` hierarchically) in ``[-1, 1]``, bitwise identical on every rank, so
+``.grad`` holds the vote average ``q̄`` in the gradient's dtype; its values are multiples of
+``1/n`` (``1/M`` hierarchically) in ``[-1, 1]``, bitwise identical on every rank, so
 ``clip_grad_norm_`` sees the same norm everywhere (and rescales the vote, i.e. the step).
 ``step()`` takes ``.grad`` as ``q̄``. With one process nothing is communicated: ``step()``
 draws the local vote itself (the algorithm with ``n = 1``; the same random stream that rank 0
-would use under DDP).
+would use under DDP). The exchange, its bytes, the hierarchical variant (``LOCAL_WORLD_SIZE =
+k`` ranks per node) and why it scales as it does are in :mod:`hf_onebit.comm.vote`.
 
-Scaling, honestly. An all-gather of bits sends ``(n-1)·N/8`` bytes per rank, growing with
-``n``; an fp32 ring all-reduce sends ``2·(n-1)/n·4N ≈ 8N``, independent of ``n``. So the flat
-vote beats fp32 only for ``n < ~64`` (and 1-bit Adam's compressed all-reduce, ``≈ N/4``
-bytes, for ``n < ~3``). Its advantages are elsewhere: one round per bucket, no error buffers,
-no warmup, trivial compute. The hierarchical exchange divides the ``n`` of the expensive
-(inter-node) part by the node size: each node sends ``(M-1)·N/8`` bytes between nodes
-(1 bit per element per node, spread over its ``k`` ranks, which use their NICs in parallel),
-so with 8 GPUs per node the crossover moves from 64 ranks to 64 *nodes*.
-
-Hierarchical exchange
----------------------
-With ``LOCAL_WORLD_SIZE = k`` (``node = rank // k``, ``local = rank % k``):
-
-1. intra-node all-gather of ``[flag | bits]``: every rank of the node sums the ``k`` votes
-   (exact small integers) into the node mean ``μ ∈ [-1, 1]``;
-2. every rank of the node binarises ``μ`` with the *node's* random stream (seeded by the
-   node, so all ranks of a node draw the same numbers and get the same node bits without a
-   broadcast): ``+1`` with probability ``(1+μ)/2``, unbiased because ``E[μ] = mean z``;
-3. local rank ``j`` of every node all-gathers slice ``j`` of the node bits with local rank
-   ``j`` of the other nodes (``k`` inter-node groups work in parallel; each node sends its
-   ``N`` bits exactly once);
-4. intra-node all-gather of the gathered slices; every rank decodes the same ``M × N`` bits
-   and averages them in node order: ``q̄ = mean over nodes``, identical on every rank.
-
-The extra binarisation adds variance: ``Var[node bit] = 1 - μ̄²`` (``μ̄`` = the node's mean
-``z``), so ``Var[q̄] = (1/M²)·Σ_nodes (1 - μ̄²)``, the flat variance of ``M`` ranks.
-The subgroups are created once (every rank calls ``new_group`` for every subgroup in the same
-order) inside the first vote job, and all collectives of a bucket run inside one job of the
-process group's ordered executor, so the three rounds of several buckets never interleave.
-
-Random streams (bitwise resume, layout independence)
-----------------------------------------------------
-Draws are *counter-based*: the uniforms for parameter ``idx`` (its position in the
-optimizer's parameter order) at step ``t`` come from Philox-4x64 (numpy) with key
-``(seed, stream)`` and counter ``[0, 0, idx, t]``; ``stream`` is the rank for worker votes and
-``2**32 + node`` for node votes. They depend on nothing else, so they do not change when DDP
-rebuilds its buckets (the first iteration after a resume uses another layout than the
-uninterrupted run), when buckets complete in another order, or when a step is skipped and
-retried; a resumed run draws exactly the numbers the uninterrupted run draws, with no
-generator state to save. ``u < (1+z)/2`` with ``u`` a multiple of ``2**-24`` is unbiased up
-to ``2**-24``. CUDA tensors use torch's CUDA Philox generator seeded with a 64-bit mix of the
-same four numbers (other numbers than on CPU, same properties).
+Random streams
+--------------
+Draws are counter-based (:mod:`hf_onebit.optim.vote_streams`): the uniforms of parameter
+``idx`` at step ``t`` depend only on ``(seed, stream, t, idx)``, the stream being the rank for
+worker votes and the node for node votes, so resumes, rebuilt buckets and retried steps draw
+the same numbers with no generator state to save. ``u < (1+z)/2`` with ``u`` a multiple of
+``2**-24`` is unbiased up to ``2**-24``.
 
 Non-finite gradients and skipped steps
 --------------------------------------
@@ -115,14 +80,14 @@ is a swap, not a copy) plus about 9 bytes per bucket element of reusable work bu
 from __future__ import annotations
 
 import numbers
-import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from hf_onebit.comm import CommRecord, CommStats, allreduce_bytes, executor_for
+from hf_onebit.comm import CommStats, executor_for
+from hf_onebit.comm.topology import node_topology
+from hf_onebit.comm.vote import VoteAllGather
 from hf_onebit.kernels import get_backend
 from hf_onebit.optim.base import (
     OneBitOptimizer,
@@ -133,57 +98,7 @@ from hf_onebit.optim.base import (
     logger,
     write_flat_,
 )
-
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-_NODE_STREAM = 1 << 32  # node streams: 2**32 + node (worker streams are the rank)
-_MASK64 = (1 << 64) - 1
-_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-class VoteStream:
-    """Counter-based uniforms in ``[0, 1)`` for one stream: ``(seed, stream, step, index)``.
-
-    CPU: Philox-4x64 with key ``(seed, stream)`` and counter ``[0, 0, index, step]`` (numpy),
-    i.e. ``np.random.Generator(np.random.Philox(key=..., counter=...)).random(n, float32)``.
-    Other devices: torch's generator for the device seeded with a 64-bit mix of the four.
-    """
-
-    def __init__(self, seed: int, stream: int) -> None:
-        self.seed = int(seed)
-        self.stream = int(stream)
-        self._key = np.array([self.seed, self.stream], dtype=np.uint64)
-        self._bitgen = np.random.Philox(key=self._key)
-        self._gen = np.random.Generator(self._bitgen)
-        self._torch_gens: dict[torch.device, torch.Generator] = {}
-
-    def uniform_(self, out: torch.Tensor, step: int, index: int) -> torch.Tensor:
-        """Fill the contiguous fp32 tensor ``out`` with the draws of ``(step, index)``."""
-        if out.device.type == "cpu":
-            self._bitgen.state = {
-                "bit_generator": "Philox",
-                "state": {"counter": np.array([0, 0, index, step], dtype=np.uint64), "key": self._key},
-                "buffer": np.zeros(4, dtype=np.uint64),
-                "buffer_pos": 4,
-                "has_uint32": 0,
-                "uinteger": 0,
-            }
-            self._gen.random(out=out.numpy(), dtype=np.float32)
-            return out
-        gen = self._torch_gens.get(out.device)
-        if gen is None:
-            gen = self._torch_gens[out.device] = torch.Generator(device=out.device)
-        mixed = _splitmix64(_splitmix64(_splitmix64(self.seed ^ _splitmix64(self.stream)) ^ step) ^ index)
-        gen.manual_seed(mixed)
-        return torch.rand(out.shape, generator=gen, out=out)
+from hf_onebit.optim.vote_streams import MASK64, NODE_STREAM, VoteStream
 
 
 def vote_threshold_(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
@@ -226,33 +141,6 @@ def vote_update_(p: torch.Tensor, q: torch.Tensor, *, lr: float, weight_decay: f
         p.copy_(work)
 
 
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _bit_weights(device: torch.device) -> torch.Tensor:
-    """:data:`_BIT_WEIGHTS` on ``device``, made once: a ``torch.tensor`` of a Python list per
-    call would copy from the host, which on CUDA waits for the device."""
-    w = _WEIGHTS.get(device)
-    if w is None:
-        w = _WEIGHTS[device] = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=device)
-    return w
-
-
-def _pack_votes(votes: torch.Tensor, out: torch.Tensor, use_numpy: bool | None = None) -> None:
-    """Pack a bool vector (length multiple of 8) into ``out`` (uint8), MSB first, 1 = +1.
-
-    The layout of :func:`hf_onebit.kernels.reference.pack_signs`; CPU tensors go through
-    ``numpy.packbits`` (one vectorised pass), others through torch.
-    """
-    if use_numpy is None:
-        use_numpy = votes.device.type == "cpu"
-    if use_numpy:
-        out.numpy()[:] = np.packbits(votes.numpy())
-        return
-    w = _bit_weights(votes.device)
-    out.copy_((votes.view(-1, 8).to(torch.uint8) * w).sum(dim=1, dtype=torch.uint8))
-
-
 @dataclass
 class _Item:
     index: int  # position in the optimizer's parameter order (names the random stream)
@@ -268,22 +156,11 @@ class _Layout:
     key: tuple[int, ...]
     items: list[_Item]
     numel: int
-    padded: int  # multiple of 8 (flat) or 8·k (hierarchical)
+    padded: int  # multiple of 8 (flat) or 8·k (hierarchical): VoteAllGather.padded_length
     theta: torch.Tensor  # fp32 [padded], P(+1); zero in the padding
     uniform: torch.Tensor  # fp32 [numel]: scratch of the worker math, then the draws
     votes: torch.Tensor  # bool [padded]; False in the padding
     scratch: torch.Tensor | None = None  # fp32 [numel], only for bf16/fp16 buckets
-
-
-@dataclass
-class _Topology:
-    hierarchical: bool
-    local_size: int = 1  # k
-    nodes: int = 1  # M
-    node: int = 0
-    local_rank: int = 0
-    node_group: object = None
-    inter_group: object = None
 
 
 class BinSGDM(OneBitOptimizer):
@@ -330,7 +207,7 @@ class BinSGDM(OneBitOptimizer):
         check_betas((beta,), "beta")
         if hierarchical is not None and not isinstance(hierarchical, bool):
             raise TypeError(f"BinSGDM: hierarchical must be True, False or None (auto), got {hierarchical!r}")
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) <= _MASK64:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) <= MASK64:
             raise ValueError(f"BinSGDM: seed must be an integer in [0, 2**64), got {seed!r}")
         defaults = dict(lr=float(lr), beta=float(beta), eps=float(eps), weight_decay=float(weight_decay))
         super().__init__(params, defaults, check_finite=check_finite)
@@ -338,7 +215,7 @@ class BinSGDM(OneBitOptimizer):
         self.seed = int(seed)
         #: Traffic between nodes only (hierarchical mode), counted like ``comm_stats``.
         self.inter_node_stats = CommStats()
-        self._topo: _Topology | None = None
+        self._vote: VoteAllGather | None = None  # made at the first vote (attach sets the group)
         self._layouts: dict[tuple[int, ...], _Layout] = {}
         self._next: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # idx -> pending (m, b)
         self._pending_t: dict[int, int] = {}  # idx -> step whose pending (m, b) the hook wrote
@@ -349,7 +226,7 @@ class BinSGDM(OneBitOptimizer):
         self._loaded_vote_state: dict | None = None
         self._warned_fresh = False
         if hierarchical and dist.is_initialized():
-            self._check_topology(dist.get_world_size(), None, explicit=True)
+            self._nodes(dist.get_world_size(), None, explicit=True)
 
     # ---------------------------------------------------------------- phase machine
     def plan(self) -> Plan:
@@ -368,56 +245,25 @@ class BinSGDM(OneBitOptimizer):
             self._streams.clear()
 
     # ---------------------------------------------------------------- topology
-    def _check_topology(self, n: int, group, explicit: bool) -> _Topology | None:
-        """The hierarchical layout if it applies; ``None`` (auto) or ValueError (explicit) if not."""
-        raw = os.environ.get("LOCAL_WORLD_SIZE")
-        problem = None
-        k = 0
-        if raw is None:
-            problem = "LOCAL_WORLD_SIZE is not set (torchrun and accelerate set it)"
-        else:
-            try:
-                k = int(raw)
-            except ValueError:
-                problem = f"LOCAL_WORLD_SIZE={raw!r} is not an integer"
-        if problem is None and not 1 < k < n:
-            problem = f"it needs 1 < LOCAL_WORLD_SIZE < world size, got LOCAL_WORLD_SIZE={k}, world size {n}"
-        if problem is None and n % k:
-            problem = f"LOCAL_WORLD_SIZE={k} does not divide the world size {n} (nodes must be equal)"
-        if problem is None and dist.is_initialized() and (
-            dist.get_world_size() != n or (group is not None and dist.get_process_group_ranks(group) != list(range(n)))
-        ):
-            problem = "the DDP process group is not the whole world (ranks 0..n-1 in order)"
-        if problem is not None:
+    def _nodes(self, n: int, group, explicit: bool):
+        """The node layout if the hierarchical vote applies; ``None`` (auto) or ValueError (explicit) if not."""
+        try:
+            return node_topology(n, group)
+        except ValueError as exc:
             if explicit:
-                raise ValueError(f"BinSGDM(hierarchical=True): {problem}")
+                raise ValueError(f"BinSGDM(hierarchical=True): {exc}") from None
             return None
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        return _Topology(True, k, n // k, rank // k, rank % k)
 
-    def _topology(self) -> _Topology:
-        if self._topo is None:
+    def _vote_exchange(self) -> VoteAllGather:
+        if self._vote is None:
             n = self.world_size
-            topo = None
+            nodes = None
             if self.hierarchical is not False and n > 1:
-                topo = self._check_topology(n, self.process_group, explicit=bool(self.hierarchical))
-            self._topo = topo or _Topology(False)
-            if self._topo.hierarchical and self.rank == 0:
-                logger.info("hf_onebit BinSGDM: hierarchical votes, %d nodes of %d ranks",
-                            self._topo.nodes, self._topo.local_size)
-        return self._topo
-
-    def _create_groups(self, topo: _Topology) -> None:
-        """Every rank creates every subgroup, in the same order (runs inside the first job)."""
-        k, nodes = topo.local_size, topo.nodes
-        for node in range(nodes):
-            g = dist.new_group([node * k + j for j in range(k)])
-            if node == topo.node:
-                topo.node_group = g
-        for j in range(k):
-            g = dist.new_group([node * k + j for node in range(nodes)])
-            if j == topo.local_rank:
-                topo.inter_group = g
+                nodes = self._nodes(n, self.process_group, explicit=bool(self.hierarchical))
+            self._vote = VoteAllGather(self.process_group, n, nodes, self.comm_stats, self.inter_node_stats)
+            if nodes is not None and self.rank == 0:
+                logger.info("hf_onebit BinSGDM: hierarchical votes, %d nodes of %d ranks", nodes.nodes, nodes.local_size)
+        return self._vote
 
     def _stream(self, stream: int) -> VoteStream:
         s = self._streams.get(stream)
@@ -557,17 +403,17 @@ class BinSGDM(OneBitOptimizer):
         if plan is not Plan.VOTE:
             return super().reduce_bucket_custom(plan, key, params, buffer, grads)
         t = self.steps_done + 1
-        topo = self._topology()
-        layout = self._layout_for(key, params, buffer.device, topo)
+        vote = self._vote_exchange()
+        layout = self._layout_for(key, params, buffer.device, vote)
         for item in layout.items:
             self._materialize(item.index, item.param)
             self._pending_t[item.index] = t
         scale_t = self.grad_scale() if self.grad_scale is not None else None
         attempt = self._attempts.get(key, 0)
-        job = lambda: self._vote_bucket(layout, topo, buffer, grads, scale_t, t, attempt)  # noqa: E731
+        job = lambda: self._vote_bucket(layout, vote, buffer, grads, scale_t, t, attempt)  # noqa: E731
         return executor_for(self.process_group, buffer.device).submit(job)
 
-    def _layout_for(self, key, params, device, topo: _Topology) -> _Layout:
+    def _layout_for(self, key, params, device, vote: VoteAllGather) -> _Layout:
         layout = self._layouts.get(key)
         if layout is not None:
             return layout
@@ -577,8 +423,7 @@ class BinSGDM(OneBitOptimizer):
         for idx, p in zip(key, params):
             items.append(_Item(idx, p, off, p.numel()))
             off += p.numel()
-        unit = 8 * topo.local_size if topo.hierarchical else 8
-        padded = -(-off // unit) * unit
+        padded = vote.padded_length(off)
         f32 = dict(dtype=torch.float32, device=device)
         layout = _Layout(
             key, items, off, padded,
@@ -589,7 +434,7 @@ class BinSGDM(OneBitOptimizer):
         self._layouts[key] = layout
         return layout
 
-    def _vote_bucket(self, layout: _Layout, topo: _Topology, buffer, grads, scale_t, t: int, attempt: int) -> torch.Tensor:
+    def _vote_bucket(self, layout: _Layout, vote: VoteAllGather, buffer, grads, scale_t, t: int, attempt: int) -> torch.Tensor:
         """Runs on the communication thread: local state, local votes, exchange, ``.grad = q̄``.
 
         No value goes to the host (on CUDA that would wait for the GPU): the loss scale stays a
@@ -623,10 +468,11 @@ class BinSGDM(OneBitOptimizer):
         n = layout.numel
         torch.lt(layout.uniform, layout.theta[:n], out=layout.votes[:n])
         all_finite = torch.stack(finite).all()
-        if topo.hierarchical:
-            qbar, valid = self._exchange_hierarchical(layout, topo, all_finite, t)
-        else:
-            qbar, valid = self._exchange_flat(layout, all_finite)
+        if vote.hierarchical:  # the node's draws (the worker votes are taken: reuse the buffer)
+            node_stream = self._stream(NODE_STREAM + vote.topology.node)
+            for item in layout.items:
+                node_stream.uniform_(layout.uniform[item.offset : item.offset + item.numel], t, item.index)
+        qbar, valid = vote(layout.votes, all_finite, n, node_uniform=layout.uniform, scratch=layout.theta)
         qbar.masked_fill_(~valid, float("nan"))
         self._note_validity(t, attempt, valid)
         for item, g in zip(layout.items, grads):
@@ -645,85 +491,6 @@ class BinSGDM(OneBitOptimizer):
         attempts = self._nan_attempts.setdefault(t, {})
         seen = attempts.get(attempt)
         attempts[attempt] = ~valid if seen is None else seen | ~valid
-
-    def _gather(self, payload: torch.Tensor, size: int, group) -> torch.Tensor:
-        out = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)
-        _all_gather(out, payload, group=group)
-        return out.view(size, payload.numel())
-
-    @staticmethod
-    def _flagged(bits: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-        """``[fp32 1.0 or NaN | bits]``, the flag written from the device bool ``flag``."""
-        payload = torch.empty(4 + bits.numel(), dtype=torch.uint8, device=bits.device)
-        payload[:4].view(torch.float32).copy_(torch.where(flag, 1.0, float("nan")))
-        payload[4:].copy_(bits)
-        return payload
-
-    @staticmethod
-    def _rows_valid(rows: torch.Tensor) -> torch.Tensor:
-        """Whether every gathered row's flag is finite: a 0-dim bool tensor on the device."""
-        return torch.isfinite(rows[:, :4].contiguous().view(torch.float32)).all()
-
-    def _vote_mean(self, bits: torch.Tensor) -> torch.Tensor:
-        """``mean_r ±1`` of the rows of ``bits`` (r, B): exact integer sums, one division."""
-        ones = torch.ones(bits.shape[0], dtype=torch.float32, device=bits.device)
-        return get_backend(bits.device).server_average(bits.contiguous(), ones)
-
-    def _exchange_flat(self, layout: _Layout, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.world_size
-        nbytes = layout.padded // 8
-        bits = torch.empty(nbytes, dtype=torch.uint8, device=layout.votes.device)
-        _pack_votes(layout.votes, bits)
-        rows = self._gather(self._flagged(bits, finite), n, self.process_group)
-        valid = self._rows_valid(rows)
-        qbar = self._vote_mean(rows[:, 4:])
-        moved = (n - 1) * (4 + nbytes)
-        self.comm_stats.record(CommRecord(moved, moved, 1, allreduce_bytes(4 * layout.numel, n), 1))
-        return qbar, valid
-
-    def _exchange_hierarchical(self, layout: _Layout, topo: _Topology, finite: torch.Tensor,
-                               t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if topo.node_group is None:
-            self._create_groups(topo)
-        k, nodes = topo.local_size, topo.nodes
-        nbytes = layout.padded // 8
-        slice_bytes = nbytes // k
-        device = layout.votes.device
-        bits = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        _pack_votes(layout.votes, bits)
-
-        # Round 1 (intra-node): every rank of the node gets the node's k votes.
-        rows = self._gather(self._flagged(bits, finite), k, topo.node_group)
-        node_finite = self._rows_valid(rows)
-        mean = self._vote_mean(rows[:, 4:])  # μ ∈ [-1, 1], identical on the node's ranks
-        # Binarise once per node with the node's stream: P(+1) = (1 + μ)/2.
-        theta = layout.theta
-        torch.add(mean, 1.0, out=theta).mul_(0.5)
-        theta[layout.numel :].zero_()
-        node_stream = self._stream(_NODE_STREAM + topo.node)
-        for item in layout.items:
-            node_stream.uniform_(layout.uniform[item.offset : item.offset + item.numel], t, item.index)
-        torch.lt(layout.uniform, theta[: layout.numel], out=layout.votes[: layout.numel])
-        _pack_votes(layout.votes, bits)
-
-        # Round 2 (inter-node): local rank j exchanges slice j of the node bits across nodes.
-        mine = bits[topo.local_rank * slice_bytes : (topo.local_rank + 1) * slice_bytes]
-        inter = self._gather(self._flagged(mine, node_finite), nodes, topo.inter_group)
-        valid = self._rows_valid(inter)
-
-        # Round 3 (intra-node): assemble every node's full bit vector on every rank.
-        gathered = self._gather(inter[:, 4:].contiguous().reshape(-1), k, topo.node_group)
-        all_bits = gathered.view(k, nodes, slice_bytes).permute(1, 0, 2).reshape(nodes, nbytes)
-        qbar = self._vote_mean(all_bits)
-
-        r1 = (k - 1) * (4 + nbytes)
-        r2 = (nodes - 1) * (4 + slice_bytes)
-        r3 = (k - 1) * nodes * slice_bytes
-        moved = r1 + r2 + r3
-        n = self.world_size
-        self.comm_stats.record(CommRecord(moved, moved, 3, allreduce_bytes(4 * layout.numel, n), 1))
-        self.inter_node_stats.record(CommRecord(r2, r2, 1, allreduce_bytes(4 * layout.numel, n), 1))
-        return qbar, valid
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()

@@ -519,3 +519,18 @@ def test_vote_threshold_refuses_what_it_cannot_write():
         cpu.vote_threshold(x, x, x, beta=0.9, eps=1e-8, m_out=torch.zeros(8, 2)[:, 0], b_out=x.clone(), theta=x.clone())
     with pytest.raises(ValueError, match="lengths differ"):
         cpu.vote_threshold(x, x, x, beta=0.9, eps=1e-8, m_out=torch.zeros(7), b_out=x.clone(), theta=x.clone())
+
+
+def test_pack_bools_matches_the_reference_layout():
+    """BinSGDM's vote packing: numpy's packbits (CPU) and the torch reference (every other device)
+    write the same bytes, in the layout of ``pack_signs`` (MSB first, True = +1)."""
+    votes = torch.rand(8 * 37, generator=torch.Generator().manual_seed(1)) < 0.3
+    a = torch.empty(37, dtype=torch.uint8)
+    b = torch.empty(37, dtype=torch.uint8)
+    cpu.pack_bools(votes, a)
+    ref.pack_bools(votes, b)
+    assert torch.equal(a, b)
+    assert torch.equal(ref.unpack_signs(a), torch.where(votes, 1.0, -1.0))
+    for backend in (cpu, ref):
+        with pytest.raises(ValueError, match="multiple of 8"):
+            backend.pack_bools(votes[:9], torch.empty(1, dtype=torch.uint8))

@@ -169,7 +169,7 @@ def _vote_worker(rank, world_size, cfg):
     iters = range(cfg.get("first", 1), cfg["last"] + 1)
     model, ddp, opt, scaler = _build(cfg["kwargs"], rank, cfg.get("resume_dir"))
     out["records"] = _iterate(rank, model, ddp, opt, scaler, iters, cfg)
-    out["hierarchical"] = opt._topology().hierarchical
+    out["hierarchical"] = opt._vote_exchange().hierarchical
     out["state_keys"] = sorted({k for s in opt.state_dict()["state"].values() for k in s})
     if cfg.get("bf16_iters"):  # bf16 parameters and buckets, no GradScaler
         import hf_onebit
@@ -348,19 +348,6 @@ def test_bf16_parameters_vote_and_update_in_fp32(flat_run):
             want = p[j].float() * F32(1 - kw["lr"] * kw["weight_decay"]) - torch.from_numpy(qbars[j]) * F32(kw["lr"])
             p[j] = want.to(torch.bfloat16)
             assert torch.equal(a, p[j])
-
-
-def test_packing_paths_agree_with_the_reference_layout():
-    from hf_onebit.kernels.reference import unpack_signs
-    from hf_onebit.optim.binsgdm import _pack_votes
-
-    votes = torch.rand(8 * 37, generator=torch.Generator().manual_seed(1)) < 0.3
-    a = torch.empty(37, dtype=torch.uint8)
-    b = torch.empty(37, dtype=torch.uint8)
-    _pack_votes(votes, a, use_numpy=True)
-    _pack_votes(votes, b, use_numpy=False)
-    assert torch.equal(a, b)
-    assert torch.equal(unpack_signs(a), torch.where(votes, 1.0, -1.0))  # MSB first, 1 = +1
 
 
 def test_resume_in_new_processes_continues_bitwise(flat_run):

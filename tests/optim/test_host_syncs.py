@@ -41,10 +41,10 @@ from tests.distributed import run_distributed
 CONVERSIONS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy", "cpu")
 
 #: (file under hf_onebit/, function, conversion): host-side by construction, never run on CUDA.
-EXEMPT = {("kernels/cpu.py", "*", "*"), ("optim/binsgdm.py", "uniform_", "numpy")}
+EXEMPT = {("kernels/cpu.py", "*", "*"), ("optim/vote_streams.py", "uniform_", "numpy")}
 
 #: One-time setup allowed on the first step of a phase (never in a steady step).
-ONE_TIME = {"optim/masks.py:freeze_masks", "comm/compressed.py:_setup_pieces", "optim/binsgdm.py:_bit_weights"}
+ONE_TIME = {"optim/masks.py:freeze_masks", "comm/compressed.py:_setup_pieces", "kernels/reference.py:_weights"}
 
 #: The deliberate sync of ``check_finite_grads`` (one per step without a loss scaler).
 FINITE_CHECK = "optim/base.py:_all_finite"
@@ -134,12 +134,12 @@ def _train(watch, rank, opt_name, kwargs, steps, scaler):
 
 
 def _watched_worker(rank, world_size, cases):
-    from hf_onebit.optim import binsgdm
+    from hf_onebit.kernels import cpu, reference
 
     watch = SyncWatch()
     watch.install()
     # the device path of the vote packing (numpy's packbits is for CPU tensors only)
-    binsgdm._pack_votes = functools.partial(binsgdm._pack_votes, use_numpy=False)
+    cpu.pack_bools = reference.pack_bools
     return {name: _train(watch, rank, *case[:4]) for name, case in cases.items()}
 
 

@@ -1,0 +1,66 @@
+"""Nodes: which ranks share a machine, and the process groups inside and across machines.
+
+A hierarchical exchange talks over the fast links inside a node and the slow ones between
+nodes separately. With ``k`` ranks per node (``LOCAL_WORLD_SIZE``, set by torchrun and
+accelerate) and ``M = n/k`` nodes, rank ``r`` is local rank ``r % k`` of node ``r // k``:
+
+* the *node group* of node ``i`` holds ranks ``i·k .. i·k + k-1``;
+* the *inter-node group* of local rank ``j`` holds rank ``j`` of every node, so ``k`` inter-node
+  groups work in parallel and each node's traffic leaves through all of its ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class NodeTopology:
+    local_size: int  # k ranks per node
+    nodes: int  # M nodes
+    node: int  # this rank's node
+    local_rank: int  # this rank's place inside its node
+    node_group: object = None  # created by create_groups()
+    inter_group: object = None
+
+    def create_groups(self) -> None:
+        """Every rank creates every subgroup, in the same order (``new_group`` is collective)."""
+        k, nodes = self.local_size, self.nodes
+        for node in range(nodes):
+            g = dist.new_group([node * k + j for j in range(k)])
+            if node == self.node:
+                self.node_group = g
+        for j in range(k):
+            g = dist.new_group([node * k + j for node in range(nodes)])
+            if j == self.local_rank:
+                self.inter_group = g
+
+
+def node_topology(world_size: int, group=None) -> NodeTopology:
+    """The node layout of ``world_size`` ranks from ``LOCAL_WORLD_SIZE``.
+
+    Raises ValueError with the reason when there is none: the variable is unset or not an
+    integer, there is one node or one rank per node, nodes would be unequal, or ``group`` is not
+    the whole world in rank order (subgroups are built from global ranks).
+    """
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        raise ValueError("LOCAL_WORLD_SIZE is not set (torchrun and accelerate set it)")
+    try:
+        k = int(raw)
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE={raw!r} is not an integer") from None
+    n = world_size
+    if not 1 < k < n:
+        raise ValueError(f"it needs 1 < LOCAL_WORLD_SIZE < world size, got LOCAL_WORLD_SIZE={k}, world size {n}")
+    if n % k:
+        raise ValueError(f"LOCAL_WORLD_SIZE={k} does not divide the world size {n} (nodes must be equal)")
+    if dist.is_initialized() and (
+        dist.get_world_size() != n or (group is not None and dist.get_process_group_ranks(group) != list(range(n)))
+    ):
+        raise ValueError("the DDP process group is not the whole world (ranks 0..n-1 in order)")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return NodeTopology(k, n // k, rank // k, rank % k)
