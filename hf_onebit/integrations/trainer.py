@@ -99,7 +99,7 @@ class OneBitTrainingArguments(TrainingArguments):
         default=None,
         metadata={
             "help": "onebit_adam / onebit_lamb: last step of the uncompressed warmup, or 'auto' (the default here:"
-            " freeze when the variance has settled, within 10-40% of the run)."
+            " freeze when the variance has settled, between 10 and 40 percent of the run)."
         },
     )
     var_freeze_step: str | None = field(

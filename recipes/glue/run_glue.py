@@ -181,9 +181,6 @@ def explicit(flag: str, argv: list[str]) -> bool:
 def parse_args(argv: list[str]):
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, OneBitTrainingArguments))
     parser.set_defaults(**RECIPE_DEFAULTS)
-    for action in parser._actions:  # a bare '%' in a help text (hf_onebit's --freeze_step) breaks --help
-        if action.help and "%" in action.help.replace("%%", ""):
-            action.help = action.help.replace("%%", "%").replace("%", "%%")
     return parser.parse_args_into_dataclasses(args=argv)
 
 

@@ -205,3 +205,13 @@ def test_the_freeze_warning_names_the_option_a_stock_script_accepts(patched, mon
         Trainer(model=model, args=args, train_dataset=data).train()
     assert "freeze_step=10 >= max_steps=2" in caplog.text
     assert 'Set --optim_args "freeze_step=1"' in caplog.text and "--freeze_step " not in caplog.text
+
+
+def test_the_onebit_training_arguments_help_formats():
+    """argparse formats help with '%': a bare percent sign in any of our help texts breaks --help."""
+    from transformers import HfArgumentParser
+
+    from hf_onebit.integrations.trainer import OneBitTrainingArguments
+
+    text = " ".join(HfArgumentParser(OneBitTrainingArguments).format_help().split())
+    assert "--freeze_step" in text and "between 10 and 40 percent of the run" in text
