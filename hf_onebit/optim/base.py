@@ -145,17 +145,14 @@ def _failed(exc: BaseException) -> torch.futures.Future:
 
 def check_betas(betas: Sequence[float], name: str = "betas") -> None:
     for b in betas:
-        if not 0.0 <= b < 1.0:
+        if not 0.0 <= b < 1.0:  # NaN fails too
             raise ValueError(f"{name} must lie in [0, 1), got {tuple(betas)}")
 
 
 def check_common(lr: float, eps: float, weight_decay: float) -> None:
-    if lr < 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if eps < 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if weight_decay < 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not value >= 0.0:  # NaN fails too
+            raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def check_positive_int(value: int, name: str) -> None:
@@ -214,6 +211,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False, check_finite: bool = True) -> None:
         if not isinstance(check_finite, bool):
             raise TypeError(f"{type(self).__name__}: check_finite must be True or False, got {check_finite!r}")
+        self._check_group(defaults)  # also when every group overrides them (torch checks groups only)
         super().__init__(params, defaults)
         #: Whether ``step()`` refuses non-finite gradients without a loss scaler (see
         #: :meth:`check_finite_grads`; a setting of this process, saved nowhere).
@@ -239,6 +237,26 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._last_phase: str | None = None
         self._stats_at_last_step = CommRecord()
         self.last_step_comm = CommRecord()
+
+    # ---------------------------------------------------------------- parameter groups
+    def _check_group(self, group: dict) -> None:
+        """Raise ``ValueError`` naming the value if a parameter group's hyperparameters are unusable.
+
+        Runs on the constructor's defaults and on every group, those added later by
+        :meth:`add_param_group` included, before the group is added. Subclasses extend it.
+        """
+        check_common(group["lr"], group["eps"], group["weight_decay"])
+        if "betas" in group:
+            betas = group["betas"]
+            if not isinstance(betas, Sequence) or len(betas) != 2:
+                raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+            check_betas(betas)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As in torch, once :meth:`_check_group` has accepted the group's hyperparameters."""
+        self._check_group({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}})
+        super().add_param_group(param_group)
+        self._group_cache = self._index_cache = None  # the parameter order changed
 
     # ---------------------------------------------------------------- to implement
     def plan(self) -> Plan:

@@ -93,7 +93,6 @@ from hf_onebit.optim.base import (
     OneBitOptimizer,
     Plan,
     check_betas,
-    check_common,
     finite_flag,
     logger,
     write_flat_,
@@ -197,19 +196,13 @@ class BinSGDM(OneBitOptimizer):
         seed: int = 0,
         check_finite: bool = True,
     ) -> None:
-        for name, value in (("lr", lr), ("beta", beta), ("eps", eps), ("weight_decay", weight_decay)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(
-                    f"BinSGDM: {name} must be a real number, got {value!r}"
-                    + (" (BinSGDM has a single momentum coefficient `beta`, not `betas`)" if name == "beta" else "")
-                )
-        check_common(lr, eps, weight_decay)
-        check_betas((beta,), "beta")
         if hierarchical is not None and not isinstance(hierarchical, bool):
             raise TypeError(f"BinSGDM: hierarchical must be True, False or None (auto), got {hierarchical!r}")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) <= MASK64:
             raise ValueError(f"BinSGDM: seed must be an integer in [0, 2**64), got {seed!r}")
-        defaults = dict(lr=float(lr), beta=float(beta), eps=float(eps), weight_decay=float(weight_decay))
+        defaults = dict(lr=lr, beta=beta, eps=eps, weight_decay=weight_decay)
+        self._check_group(defaults)  # before float(), which would take a string
+        defaults = {name: float(value) for name, value in defaults.items()}
         super().__init__(params, defaults, check_finite=check_finite)
         self.hierarchical = hierarchical
         self.seed = int(seed)
@@ -227,6 +220,19 @@ class BinSGDM(OneBitOptimizer):
         self._warned_fresh = False
         if hierarchical and dist.is_initialized():
             self._nodes(dist.get_world_size(), None, explicit=True)
+
+    # ---------------------------------------------------------------- parameter groups
+    def _check_group(self, group: dict) -> None:
+        """Real numbers (TypeError otherwise), then the base's ranges and ``beta`` in [0, 1)."""
+        for name in ("lr", "beta", "eps", "weight_decay"):
+            value = group.get(name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(
+                    f"BinSGDM: {name} must be a real number, got {value!r}"
+                    + (" (BinSGDM has a single momentum coefficient `beta`, not `betas`)" if name == "beta" else "")
+                )
+        super()._check_group(group)
+        check_betas((group["beta"],), "beta")
 
     # ---------------------------------------------------------------- phase machine
     def plan(self) -> Plan:

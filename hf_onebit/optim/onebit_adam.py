@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common
+from hf_onebit.optim.base import OneBitOptimizer, Plan
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
@@ -103,8 +103,6 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         check_finite: bool = True,
         update_clip: float | None = None,
     ) -> None:
-        check_common(lr, eps, weight_decay)
-        check_betas(betas)
         self.update_clip = check_update_clip(update_clip)
         self.init_freeze(freeze_step, "freeze_step")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)

@@ -10,44 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, logical
+from hf_onebit.optim.base import OneBitOptimizer, Plan, logical
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
-
-
-# ---------------------------------------------------------------- validation
-def _check_lamb_group(group: dict) -> None:
-    """Raise ``ValueError`` with a clear message if a parameter group's hyperparameters are unusable."""
-    check_common(group["lr"], group["eps"], group["weight_decay"])
-    betas = group["betas"]
-    if not isinstance(betas, Sequence) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    check_betas(betas)
-    for name in ("lr", "eps", "weight_decay", "max_coeff", "min_coeff", "coeff_beta", "factor_max",
-                 "factor_min", "factor_threshold"):
-        if isinstance(group[name], float) and math.isnan(group[name]):
-            raise ValueError(f"{name} must not be NaN")
-    min_c, max_c = group["min_coeff"], group["max_coeff"]
-    if not min_c > 0.0:
-        raise ValueError(f"min_coeff must be > 0 (it bounds the trust ratio from below), got {min_c}")
-    if not min_c <= max_c:
-        raise ValueError(f"min_coeff must be <= max_coeff, got min_coeff={min_c} > max_coeff={max_c}")
-    if not 0.0 <= group["coeff_beta"] < 1.0:
-        raise ValueError(
-            f"coeff_beta must lie in [0, 1), got {group['coeff_beta']} (with 1 the frozen trust ratio"
-            " would never leave its initial 0 and the compression phase would not move the parameters)"
-        )
-    f_min, f_max = group["factor_min"], group["factor_max"]
-    if not f_min > 0.0:
-        raise ValueError(
-            f"factor_min must be > 0, got {f_min} (a zero factor would stop training for good: each"
-            " step's factor is bounded relative to the previous one)"
-        )
-    if not f_min <= f_max:
-        raise ValueError(f"factor_min must be <= factor_max, got factor_min={f_min} > factor_max={f_max}")
-    if not group["factor_threshold"] >= 0.0:
-        raise ValueError(f"factor_threshold must be >= 0, got {group['factor_threshold']}")
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -172,17 +138,37 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
         )
-        _check_lamb_group(defaults)
         super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
         self.auto_mask = auto_mask
 
-    def add_param_group(self, param_group: dict) -> None:
-        """As in torch, plus a check of the group's hyperparameters *before* it is added."""
-        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
-        if isinstance(merged.get("betas"), list):
-            merged["betas"] = tuple(merged["betas"])
-        _check_lamb_group(merged)
-        super().add_param_group(param_group)
+    # ---------------------------------------------------------------- parameter groups
+    def _check_group(self, group: dict) -> None:
+        """The base's checks (lr, eps, weight_decay, betas), then LAMB's bounds."""
+        super()._check_group(group)
+        for name in ("max_coeff", "min_coeff", "coeff_beta", "factor_max",
+                     "factor_min", "factor_threshold"):
+            if isinstance(group[name], float) and math.isnan(group[name]):
+                raise ValueError(f"{name} must not be NaN")
+        min_c, max_c = group["min_coeff"], group["max_coeff"]
+        if not min_c > 0.0:
+            raise ValueError(f"min_coeff must be > 0 (it bounds the trust ratio from below), got {min_c}")
+        if not min_c <= max_c:
+            raise ValueError(f"min_coeff must be <= max_coeff, got min_coeff={min_c} > max_coeff={max_c}")
+        if not 0.0 <= group["coeff_beta"] < 1.0:
+            raise ValueError(
+                f"coeff_beta must lie in [0, 1), got {group['coeff_beta']} (with 1 the frozen trust ratio"
+                " would never leave its initial 0 and the compression phase would not move the parameters)"
+            )
+        f_min, f_max = group["factor_min"], group["factor_max"]
+        if not f_min > 0.0:
+            raise ValueError(
+                f"factor_min must be > 0, got {f_min} (a zero factor would stop training for good: each"
+                " step's factor is bounded relative to the previous one)"
+            )
+        if not f_min <= f_max:
+            raise ValueError(f"factor_min must be <= factor_max, got factor_min={f_min} > factor_max={f_max}")
+        if not group["factor_threshold"] >= 0.0:
+            raise ValueError(f"factor_threshold must be >= 0, got {group['factor_threshold']}")
 
     # ---------------------------------------------------------------- phase machine
     @property

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_betas, check_common, check_positive_int
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_positive_int
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
@@ -160,8 +160,6 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         check_finite: bool = True,
         update_clip: float | None = None,
     ) -> None:
-        check_common(lr, eps, weight_decay)
-        check_betas(betas)
         self.update_clip = check_update_clip(update_clip)
         self.init_freeze(var_freeze_step, "var_freeze_step")
         check_positive_int(var_update_scaler, "var_update_scaler")
