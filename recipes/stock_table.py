@@ -74,11 +74,14 @@ def model_path() -> str:
     return default_model_path()
 
 
-def run_one(optim: str, seed: int, out: Path, files: dict, model: str, budget: list[str] = BUDGET) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+def run_one(optim: str, seed: int, out: Path, files: dict, model: str, budget: list[str] = BUDGET,
+            script: Path = SCRIPT, extra_env: dict | None = None) -> dict:
+    """One training run; ``script`` and ``extra_env`` let an experiment wrap the stock script."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               **(extra_env or {}))
     exe = Path(sys.executable).with_name("accelerate")
     launcher = [str(exe), "launch"] if exe.exists() else [sys.executable, "-m", "accelerate.commands.launch"]
-    cmd = [*launcher, "--config_file", str(CONFIG), "-m", "hf_onebit.run", str(SCRIPT),
+    cmd = [*launcher, "--config_file", str(CONFIG), "-m", "hf_onebit.run", str(script),
            "--model_name_or_path", model, "--train_file", files["train"], "--validation_file", files["validation"],
            "--output_dir", str(out), "--seed", str(seed), *budget, "--optim", optim]
     out.mkdir(parents=True, exist_ok=True)
