@@ -165,6 +165,20 @@ def check_nonneg_int(value: int, name: str) -> None:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 
+def update_in_fp32_(p: torch.Tensor, update: Callable[[torch.Tensor], object]) -> None:
+    """Apply the in-place ``update`` to ``p`` in fp32, rounding once.
+
+    fp32 parameters are updated in place; bf16/fp16 ones through an fp32 copy that is written
+    back, so every optimizer rounds a low-precision parameter exactly once per step.
+    """
+    if p.dtype == torch.float32:
+        update(p)
+    else:
+        work = p.float()
+        update(work)
+        p.copy_(work)
+
+
 def finite_flag(t: torch.Tensor) -> torch.Tensor:
     """Whether every element of ``t`` is finite, as a 0-dim bool tensor on ``t``'s device (no sync).
 
@@ -332,6 +346,22 @@ class OneBitOptimizer(torch.optim.Optimizer):
             cache = {id(p): g for g in self.param_groups for p in g["params"]}
             self._group_cache = cache
         return cache
+
+    def grads_in_order(self, init_state: Callable[[torch.Tensor], dict] | None = None, *, skip_empty: bool = False):
+        """``(p, grad32, state, group)`` for every parameter with a gradient, in parameter order.
+
+        The prologue of every ``step()``: sparse gradients are refused here; ``grad32`` is
+        ``p.grad`` in fp32 (``p.grad`` itself when it is fp32); ``state`` is ``init_state(p)``
+        (``None`` without one). ``skip_empty`` leaves out parameters with no elements.
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or (skip_empty and p.numel() == 0):
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("hf_onebit optimizers do not support sparse gradients")
+                grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+                yield p, grad, (init_state(p) if init_state is not None else None), group
 
     # ---------------------------------------------------------------- segments
     def _new_segment(self, key: tuple[int, ...], device: torch.device) -> Segment:

@@ -95,6 +95,7 @@ from hf_onebit.optim.base import (
     check_betas,
     finite_flag,
     logger,
+    update_in_fp32_,
     write_flat_,
 )
 from hf_onebit.optim.vote_streams import MASK64, NODE_STREAM, VoteStream
@@ -132,12 +133,14 @@ def vote_threshold_(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: 
 
 def vote_update_(p: torch.Tensor, q: torch.Tensor, *, lr: float, weight_decay: float) -> None:
     """``p = p·(1 - lr·wd) - lr·q`` (decoupled decay, AdamW order), fp32 math, one rounding."""
-    work = p if p.dtype == torch.float32 else p.float()
-    if weight_decay:
-        work.mul_(1.0 - lr * weight_decay)
-    work.sub_(torch.mul(q.float() if q.dtype != torch.float32 else q, lr))
-    if work is not p:
-        p.copy_(work)
+    step = torch.mul(q.float() if q.dtype != torch.float32 else q, lr)
+
+    def update(w: torch.Tensor) -> None:
+        if weight_decay:
+            w.mul_(1.0 - lr * weight_decay)
+        w.sub_(step)
+
+    update_in_fp32_(p, update)
 
 
 @dataclass
@@ -504,33 +507,27 @@ class BinSGDM(OneBitOptimizer):
         loss, t, plan = self.begin_step(closure)
         synced = self.check_synced(t) if plan is Plan.VOTE else False
         index = self._index_of()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("hf_onebit optimizers do not support sparse gradients")
-                idx = index[id(p)]
-                if synced:
-                    if self._pending_t.get(idx) != t:
-                        raise RuntimeError(
-                            f"BinSGDM: parameter {idx} has a gradient but the communication hook did not"
-                            f" vote on it for step {t}"
-                        )
-                    q = p.grad
-                else:  # one process: the algorithm with n = 1, the local vote
-                    q = self._local_vote(idx, p, group, t)
-                self._commit(idx, p)
-                vote_update_(p, q, lr=group["lr"], weight_decay=group["weight_decay"])
+        for p, grad, _, group in self.grads_in_order():
+            idx = index[id(p)]
+            if synced:
+                if self._pending_t.get(idx) != t:
+                    raise RuntimeError(
+                        f"BinSGDM: parameter {idx} has a gradient but the communication hook did not"
+                        f" vote on it for step {t}"
+                    )
+                q = grad  # the vote average q̄ (in fp32: exact, its values are multiples of 1/n)
+            else:  # one process: the algorithm with n = 1, the local vote
+                q = self._local_vote(idx, p, grad, group, t)
+            self._commit(idx, p)
+            vote_update_(p, q, lr=group["lr"], weight_decay=group["weight_decay"])
         self._nan_attempts.pop(t, None)
         self._after_step()
         return loss
 
-    def _local_vote(self, idx: int, p: torch.Tensor, group: dict, t: int) -> torch.Tensor:
+    def _local_vote(self, idx: int, p: torch.Tensor, grad32: torch.Tensor, group: dict, t: int) -> torch.Tensor:
         state = self._materialize(idx, p)
         m_next, b_next = self._next[idx]
-        g = p.grad.reshape(-1)
-        g32 = g if g.dtype == torch.float32 else g.float()
+        g32 = grad32.reshape(-1)
         theta = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
         u = torch.empty_like(theta)
         vote_threshold_(

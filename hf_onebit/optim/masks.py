@@ -56,6 +56,21 @@ class ZeroGradientMasks:
         state["mask_explicit"] = True
         state.pop("nonzero", None)
 
+    def _init_state(self, p: torch.Tensor) -> dict:
+        """Adam's moments ``exp_avg``, ``exp_avg_sq`` (fp32, ``p``'s memory format), what
+        :meth:`_init_extra_state` adds, and the mask tracking: made at ``p``'s first use."""
+        state = self.state[p]
+        if "exp_avg" not in state:
+            f32 = dict(dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, **f32)
+            state["exp_avg_sq"] = torch.zeros_like(p, **f32)
+            self._init_extra_state(p, state)
+            self.init_mask_tracking(p, state)
+        return state
+
+    def _init_extra_state(self, p: torch.Tensor, state: dict) -> None:
+        """Per-parameter state besides Adam's moments (1-bit LAMB's); none by default."""
+
     def init_mask_tracking(self, p: torch.Tensor, state: dict) -> None:
         """Start recording where ``p``'s gradient is ever non-zero (called with fresh state)."""
         if self.auto_mask and not state.get("mask_explicit"):

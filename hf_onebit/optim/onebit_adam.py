@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan
+from hf_onebit.optim.base import OneBitOptimizer, Plan, update_in_fp32_
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
@@ -53,10 +53,7 @@ def adam_update_(
     if update_clip is not None:
         clip_root_(denom, m, bias_correction1 * update_clip, None if workspace is None else workspace.get(1, m))
     denom.add_(eps)
-    if p.dtype == torch.float32:
-        p.addcdiv_(m, denom, value=-lr / bias_correction1)
-    else:  # low-precision parameters: compute the update in fp32, round once
-        p.copy_(p.float().addcdiv_(m, denom, value=-lr / bias_correction1))
+    update_in_fp32_(p, lambda w: w.addcdiv_(m, denom, value=-lr / bias_correction1))
 
 
 class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
@@ -143,51 +140,36 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         torch.lerp(m, g, 1 - beta1, out=out)  # β1·m + (1-β1)·g in one pass (out may alias g)
 
     # ---------------------------------------------------------------- step
-    def _init_state(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            self.init_mask_tracking(p, state)
-        return state
-
     @torch.no_grad()
     def step(self, closure=None):
         loss, t, plan = self.begin_step(closure)
         synced = self.check_synced(t) if plan is Plan.COMPRESS_MOMENTUM else False
         if plan is Plan.COMPRESS_MOMENTUM and t == self.freeze_step + 1:
             self.freeze_masks()
-        for group in self.param_groups:
+        for p, grad, state, group in self.grads_in_order(self._init_state):
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("hf_onebit optimizers do not support sparse gradients")
-                state = self._init_state(p)
-                grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                if plan is Plan.ALLREDUCE:
-                    m.lerp_(grad, 1 - beta1)
-                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    self.track_nonzero(state, grad)
-                elif synced:  # the hook delivered the averaged momentum in .grad
-                    m.copy_(grad)
-                else:  # one process: the momentum is local and exact
-                    m.mul_(beta1).add_(grad, alpha=1 - beta1)
-                if plan is Plan.COMPRESS_MOMENTUM and "mask" in state:
-                    m.mul_(state["mask"])
-                if group["bias_correction"]:
-                    bc1 = 1 - beta1**t
-                    bc2 = 1 - beta2 ** min(t, max(self.freeze_step, 1))
-                else:
-                    bc1 = bc2 = 1.0
-                adam_update_(
-                    p, m, v, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
-                    bias_correction1=bc1, bias_correction2=bc2,
-                    update_clip=self.update_clip if plan is Plan.COMPRESS_MOMENTUM else None,
-                    workspace=self._workspace,
-                )
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            if plan is Plan.ALLREDUCE:
+                m.lerp_(grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                self.track_nonzero(state, grad)
+            elif synced:  # the hook delivered the averaged momentum in .grad
+                m.copy_(grad)
+            else:  # one process: the momentum is local and exact
+                m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            if plan is Plan.COMPRESS_MOMENTUM and "mask" in state:
+                m.mul_(state["mask"])
+            if group["bias_correction"]:
+                bc1 = 1 - beta1**t
+                bc2 = 1 - beta2 ** min(t, max(self.freeze_step, 1))
+            else:
+                bc1 = bc2 = 1.0
+            adam_update_(
+                p, m, v, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
+                bias_correction1=bc1, bias_correction2=bc2,
+                update_clip=self.update_clip if plan is Plan.COMPRESS_MOMENTUM else None,
+                workspace=self._workspace,
+            )
         if plan is Plan.ALLREDUCE:
             self.observe_variance(t, t)
         self._after_step()

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, logical
+from hf_onebit.optim.base import OneBitOptimizer, Plan, logical, update_in_fp32_
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
@@ -213,28 +213,19 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         super().finish_receive(plan, p, result, grad, scale)
 
     # ---------------------------------------------------------------- step
-    def _init_state(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            f32 = dict(dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg"] = torch.zeros_like(p, **f32)
-            state["exp_avg_sq"] = torch.zeros_like(p, **f32)
-            state["exp_avg_sq_fresh"] = torch.zeros_like(p, **f32)
-            scalar = dict(dtype=torch.float32, device=p.device)
-            state["coeff_frozen"] = torch.zeros((), **scalar)
-            state["last_factor"] = torch.ones((), **scalar)
-            state["scaling"] = torch.ones((), **scalar)
-            self.init_mask_tracking(p, state)
-        return state
+    def _init_extra_state(self, p: torch.Tensor, state: dict) -> None:
+        """The fresh variance, the frozen trust ratio, the last factor and the momentum scaling."""
+        state["exp_avg_sq_fresh"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        scalar = dict(dtype=torch.float32, device=p.device)
+        state["coeff_frozen"] = torch.zeros((), **scalar)
+        state["last_factor"] = torch.ones((), **scalar)
+        state["scaling"] = torch.ones((), **scalar)
 
     @staticmethod
     def _apply_update(p: torch.Tensor, u: torch.Tensor, coeff: torch.Tensor, lr: float) -> None:
         """``p -= lr·coeff·u`` (``u`` is consumed); low-precision parameters are rounded once."""
         u.mul_(coeff)
-        if p.dtype == torch.float32:
-            p.add_(u, alpha=-lr)
-        else:
-            p.copy_(p.float().add_(u, alpha=-lr))
+        update_in_fp32_(p, lambda w: w.add_(u, alpha=-lr))
 
     def _warmup_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
         beta1, beta2 = group["betas"]
@@ -321,18 +312,11 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         loss, t, plan = self.begin_step(closure)
         compress = plan is Plan.COMPRESS_MOMENTUM
         synced = self.check_synced(t) if compress else False
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None or p.numel() == 0:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("hf_onebit optimizers do not support sparse gradients")
-                state = self._init_state(p)
-                grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-                if compress:
-                    self._compression_update(p, grad, state, group, synced)
-                else:
-                    self._warmup_update(p, grad, state, group)
+        for p, grad, state, group in self.grads_in_order(self._init_state, skip_empty=True):
+            if compress:
+                self._compression_update(p, grad, state, group, synced)
+            else:
+                self._warmup_update(p, grad, state, group)
         if not compress:
             self.observe_variance(t, t)  # an automatic freeze may choose this step
         if t == self.freeze_step:

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_positive_int
+from hf_onebit.optim.base import OneBitOptimizer, Plan, check_positive_int, update_in_fp32_
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
@@ -238,14 +238,6 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         self.var_updates = int(state.get("var_updates", 0))
 
     # ---------------------------------------------------------------- state
-    def _init_state(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            self.init_mask_tracking(p, state)
-        return state
-
     def _init_local_state(self, p: torch.Tensor) -> dict:
         """The local-phase state; created when the local phase starts (parameters are synced then)."""
         state = self._init_state(p)
@@ -328,15 +320,11 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     def _update(self, p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, wd: float) -> torch.Tensor:
         """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``; ``p -= Δ``; returns Δ
         (a workspace tensor, valid until the next update)."""
-        p32 = p if p.dtype == torch.float32 else p.float()
         delta = torch.div(m, denom, out=self._workspace.get(1, m))
         if wd:
-            delta.add_(p32, alpha=wd)
+            delta.add_(p if p.dtype == torch.float32 else p.float(), alpha=wd)
         delta.mul_(lr)
-        if p.dtype == torch.float32:
-            p.sub_(delta)
-        else:  # low-precision parameters: update in fp32, round once
-            p.copy_(p32.sub_(delta))
+        update_in_fp32_(p, lambda w: w.sub_(delta))
         return delta
 
     def _denominator(self, state: dict, group: dict, clip_by: torch.Tensor | None = None,
@@ -352,13 +340,6 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         if self.update_clip is not None and clip_by is not None:
             clip_root_(denom, clip_by, self.update_clip * clip_scale, self._workspace.get(1, v))
         return denom.add_(group["eps"])
-
-    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
-        if p.grad is None:
-            return None
-        if p.grad.is_sparse:
-            raise ValueError("hf_onebit optimizers do not support sparse gradients")
-        return p.grad if p.grad.dtype == torch.float32 else p.grad.float()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -382,22 +363,17 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         variance_step = plan is Plan.ALLREDUCE
         if variance_step:
             self.var_updates += 1  # counts this step's update, which the loop below applies first
-        for group in self.param_groups:
+        for p, grad, state, group in self.grads_in_order(self._init_state):
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                grad = self._grad(p)
-                if grad is None:
-                    continue
-                state = self._init_state(p)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                if variance_step:
-                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    self.track_nonzero(state, grad)
-                m.mul_(beta1).add_(grad, alpha=1 - beta1)
-                if "mask" in state:
-                    m.mul_(state["mask"])
-                denom = self._denominator(state, group, None if variance_step else m)
-                self._update(p, m, denom, group["lr"], group["weight_decay"])
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            if variance_step:
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                self.track_nonzero(state, grad)
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            if "mask" in state:
+                m.mul_(state["mask"])
+            denom = self._denominator(state, group, None if variance_step else m)
+            self._update(p, m, denom, group["lr"], group["weight_decay"])
         if variance_step:
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:
@@ -407,20 +383,15 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     def _local_phase_step(self, t: int, plan: Plan) -> None:
         if t == self.var_freeze_step + 1:
             self._enter_local_phase()
-        for group in self.param_groups:
+        for p, grad, state, group in self.grads_in_order(self._init_local_state):
             beta1 = group["betas"][0]
-            for p in group["params"]:
-                grad = self._grad(p)
-                if grad is None:
-                    continue
-                state = self._init_local_state(p)
-                m = state["exp_avg"]
-                m.mul_(beta1).add_(grad, alpha=1 - beta1)
-                if "mask" in state:
-                    m.mul_(state["mask"])
-                delta = self._update(p, m, self._denominator(state, group, m), group["lr"], group["weight_decay"])
-                state["momentum_accumulator"].sub_(delta)
-                state["lr_sum"] += group["lr"]
+            m = state["exp_avg"]
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            if "mask" in state:
+                m.mul_(state["mask"])
+            delta = self._update(p, m, self._denominator(state, group, m), group["lr"], group["weight_decay"])
+            state["momentum_accumulator"].sub_(delta)
+            state["lr_sum"] += group["lr"]
         if plan is Plan.SYNC_AFTER_STEP:
             self._sync()
         self.local_counter += 1
