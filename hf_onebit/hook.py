@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_onebit.comm import runs_inline
 from hf_onebit.kernels.selftest import self_test
 from hf_onebit.optim.base import OneBitOptimizer, logger
+from hf_onebit.refusals import check_find_unused, check_sparse
 
 
 @dataclass
@@ -113,28 +114,14 @@ def attach(
     module_ids = {id(p) for p in ddp_model.module.parameters()}
     if any(id(p) not in module_ids for p in opt_params):
         raise ValueError("hf_onebit.attach: the optimizer holds parameters that are not parameters of the DDP model")
-    sparse = [n or type(m).__name__ for n, m in ddp_model.module.named_modules() if getattr(m, "sparse", False) is True]
-    if sparse or any(p.is_sparse for p in opt_params):
-        raise ValueError(
-            f"hf_onebit does not support sparse gradients (modules with sparse=True: {sparse[:3]}): build"
-            " the embedding with sparse=False, or keep it out of DDP"
-        )
+    check_sparse(ddp_model.module)
     optimizer.process_group = ddp_model.process_group
     state = OneBitHookState(optimizer, grad_scaler)
     optimizer.grad_scale = state.current_scale if grad_scaler is not None else None
     if optimizer.world_size == 1:
         logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
         return None
-    # Chosen by device, as the executor is (a backend name may be "undefined" or mixed): CPU
-    # buckets are communicated on hf_onebit's thread, which races DDP's used-parameter all-reduce.
-    on_thread = any(not runs_inline(p.device) for p in opt_params)
-    if getattr(ddp_model, "find_unused_parameters", False) and on_thread:
-        raise ValueError(
-            "hf_onebit.attach: DistributedDataParallel(find_unused_parameters=True) on CPU (gloo) runs DDP's own"
-            " collective on the autograd thread while hf_onebit communicates on its own thread; gloo then"
-            " pairs the wrong messages and aborts. Build DDP with find_unused_parameters=False (HF Trainer:"
-            " --ddp_find_unused_parameters false)."
-        )
+    check_find_unused(ddp_model)
     # Triton compiles on first use: do it now, checked against the reference, not in the first
     # compressing backward hours from here (where a failure would read as a dead peer).
     for device, dtype in sorted({(p.device, d) for p in opt_params if runs_inline(p.device)

@@ -104,7 +104,6 @@ def attach_prepared(accelerator, model, optimizer) -> tuple[OneBitOptimizer, Dis
             )
         logger.warning("hf_onebit: one process, nothing to communicate: %s runs uncompressed", type(opt).__name__)
         return opt, None
-    checks.check_find_unused(ddp)
     existing: OneBitHookState | None = getattr(ddp, _HOOK_ATTR, None)
     if existing is not None:
         if existing.optimizer is not opt:

@@ -2,7 +2,9 @@
 
 hf_onebit replaces DDP's gradient all-reduce. It needs every rank to hold the whole model in
 one DistributedDataParallel module, and every launched process to be a member of the process
-group. Each check raises :class:`UnsupportedSetup` (a ``ValueError``) with the fix.
+group. Each check raises :class:`UnsupportedSetup` (a ``ValueError``) with the fix. The checks
+that need only the DDP model and the optimizer live one layer down, in :mod:`hf_onebit.refusals`
+(``attach`` runs them for plain-PyTorch users); they are run here too, before anything is wrapped.
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ from collections.abc import Mapping
 
 import torch
 
+# the hook layer's refusals, re-exported: the integrations run them before anything is wrapped
+from hf_onebit.refusals import UnsupportedSetup, check_find_unused, check_sparse  # noqa: F401
+
 DOCS = "docs/integrations.md"
-
-
-class UnsupportedSetup(ValueError):
-    """A training setup hf_onebit refuses to run."""
 
 
 def _env_int(env: Mapping[str, str], key: str) -> int | None:
@@ -105,42 +106,6 @@ def model_parallel_message(what: str) -> str:
     )
 
 
-def sparse_message(names: list[str]) -> str:
-    return (
-        f"hf_onebit does not support sparse gradients (modules with sparse=True: {names[:3]}): the 1-bit"
-        " all-reduce works on dense gradient buckets. Build the embedding with sparse=False, or train"
-        " with a standard optimizer (--optim adamw_torch)."
-    )
-
-
-def check_find_unused(ddp) -> None:
-    """Refuse ``DistributedDataParallel(find_unused_parameters=True)`` with CPU parameters (gloo).
-
-    With it, DDP all-reduces its map of used parameters from the autograd thread during
-    backward, while hf_onebit's gloo communication thread runs the gradient buckets' collectives
-    on the same process group; gloo then pairs the two in different orders on different ranks
-    and aborts ("Received data size doesn't match expected size"). (NCCL runs hf_onebit's
-    collectives on the autograd thread itself, in one order.)
-    """
-    if not getattr(ddp, "find_unused_parameters", False):
-        return
-    from hf_onebit.comm import runs_inline
-
-    # By the parameters' device, as hf_onebit chooses its executor (the backend's name may be
-    # "undefined" or "cuda:nccl,cpu:gloo"): CPU buckets go through the communication thread.
-    if not torch.distributed.is_initialized():
-        return
-    if all(runs_inline(p.device) for p in ddp.module.parameters() if p.requires_grad):
-        return
-    raise UnsupportedSetup(
-        "hf_onebit on CPU (gloo) does not support DistributedDataParallel(find_unused_parameters=True): DDP's"
-        " own all-reduce of the used-parameter map would race with hf_onebit's communication thread. Pass"
-        " --ddp_find_unused_parameters false (Trainer), or DistributedDataParallelKwargs(find_unused_parameters="
-        "False) (Accelerate); if the model really has parameters without gradients, freeze them"
-        " (requires_grad=False) so DDP does not wait for them."
-    )
-
-
 def check_model(model: torch.nn.Module) -> None:
     """Refuse a model split across devices (device_map, tp_plan, DTensor) or with sparse gradients."""
     device_map = getattr(model, "hf_device_map", None)
@@ -165,6 +130,4 @@ def check_model(model: torch.nn.Module) -> None:
         DTensor = ()  # type: ignore[assignment]
     if DTensor and any(isinstance(p, DTensor) for p in model.parameters()):
         raise UnsupportedSetup(model_parallel_message("the model has DTensor parameters (tensor parallel or FSDP2)"))
-    sparse = [n or type(m).__name__ for n, m in model.named_modules() if getattr(m, "sparse", False) is True]
-    if sparse:
-        raise UnsupportedSetup(sparse_message(sparse))
+    check_sparse(model)
