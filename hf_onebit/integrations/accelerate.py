@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_onebit.hook import OneBitHookState
 from hf_onebit.hook import attach as attach_hook
 from hf_onebit.integrations import checks
-from hf_onebit.integrations.checkpoint import load_rank_state, save_rank_state
+from hf_onebit.integrations.checkpoint import load_from_checkpoint, save_beside_checkpoint
 from hf_onebit.integrations.logs import CompressionLog
 from hf_onebit.optim import OneBitOptimizer
 
@@ -158,13 +158,13 @@ class OneBitAccelerate:
 
     def save_rank_state(self, checkpoint_dir: str) -> None:
         """Write this rank's compression state into ``checkpoint_dir``; every rank must call it."""
-        save_rank_state(self.optimizer, checkpoint_dir)
+        save_beside_checkpoint(self.optimizer, checkpoint_dir)
         self.accelerator.wait_for_everyone()  # every rank's file exists before anyone goes on
 
     def load_rank_state(self, checkpoint_dir: str) -> None:
         """Read this rank's state back (after the optimizer's ``load_state_dict``)."""
         self._pending_dir = None
-        load_rank_state(self.optimizer, checkpoint_dir)
+        load_from_checkpoint(self.optimizer, checkpoint_dir)
         self.log.restart()
 
     # -- logs

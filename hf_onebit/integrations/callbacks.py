@@ -27,9 +27,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_onebit.integrations.accelerate import attach_prepared, unwrap_optimizer
 from hf_onebit.integrations.checkpoint import (
-    has_rank_state,
-    load_rank_state,
-    save_rank_state,
+    checkpoint_has_rank_state,
+    load_from_checkpoint,
+    save_beside_checkpoint,
 )
 from hf_onebit.integrations.logs import SINGLE_PROCESS, CompressionLog, announce
 from hf_onebit.integrations.options import warmup_end
@@ -96,10 +96,10 @@ class OneBitCallback(TrainerCallback):
 
     def _restore(self, checkpoint: str) -> None:
         if not any(os.path.isfile(os.path.join(checkpoint, f)) for f in _OPTIMIZER_FILES):
-            if has_rank_state(checkpoint):
+            if checkpoint_has_rank_state(checkpoint):
                 logger.warning("hf_onebit: %s has no optimizer state; its per-rank state is not used", checkpoint)
             return  # the Trainer did not restore the optimizer either (e.g. save_only_model)
-        load_rank_state(self.optimizer, checkpoint)
+        load_from_checkpoint(self.optimizer, checkpoint)
         self.log.restart()
         logger.info("hf_onebit: restored rank %d's compression state from %s", self.optimizer.rank, checkpoint)
 
@@ -120,7 +120,7 @@ class OneBitCallback(TrainerCallback):
                 " hf_onebit needs the output directory on a file system every rank can write to"
                 " (hyperparameter search runs are not supported)"
             )
-        save_rank_state(self.optimizer, checkpoint)
+        save_beside_checkpoint(self.optimizer, checkpoint)
         accelerator.wait_for_everyone()  # every rank's file exists before anyone goes on
 
     # ------------------------------------------------------------------ logs
