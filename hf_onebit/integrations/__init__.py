@@ -10,7 +10,10 @@ module         what it holds
 ``options``    the ``--optim`` names and where each hyperparameter comes from
 ``defaults``   what each optimizer needs that the Trainer's defaults lack (no clipping, LAMB's
                lr), the warmup alias, :func:`~.defaults.default_freeze_arguments`
-``checks``     start-up refusals (FSDP, DeepSpeed, model parallel, sparse, lone ranks)
+``checks``     start-up refusals (FSDP, DeepSpeed, model parallel, lone ranks; the hook's own,
+               sparse and find_unused, are re-exported from :mod:`hf_onebit.refusals`)
+``trainer_quirks`` where the stock Trainer's own choices would hurt (loss normalisation,
+               ``find_unused_parameters``), and what is set instead
 ``checkpoint`` ``<checkpoint>/hf_onebit/hf_onebit_rank{r}_of{n}.pt``
 ``logs``       the ``onebit/...`` log entries
 ``patch``      the one place transformers is patched (for unmodified scripts)

@@ -77,19 +77,13 @@ def _grad_scaler(accelerator):
     return scaler if scaler is not None and scaler.is_enabled() else None
 
 
-def check_accelerator(accelerator) -> None:
-    """Refuse launches and Accelerate modes hf_onebit cannot serve (see :mod:`.checks`)."""
-    checks.check_launch(accelerator.num_processes)
-    checks.check_distributed_type(accelerator.distributed_type, getattr(accelerator, "parallelism_config", None))
-
-
 def attach_prepared(accelerator, model, optimizer) -> tuple[OneBitOptimizer, DistributedDataParallel | None]:
     """Register the hook on the DDP module Accelerate built; exactly once per DDP module.
 
     Returns the unwrapped optimizer and the DDP module (``None`` in a single process, where
     nothing is communicated and the optimizer runs uncompressed).
     """
-    check_accelerator(accelerator)
+    checks.check_accelerator(accelerator)
     opt = unwrap_optimizer(optimizer)
     if not isinstance(opt, OneBitOptimizer):
         raise TypeError(f"hf_onebit: expected an hf_onebit optimizer inside {type(optimizer).__name__}, got {type(opt).__name__}")

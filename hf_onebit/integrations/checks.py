@@ -131,3 +131,43 @@ def check_model(model: torch.nn.Module) -> None:
     if DTensor and any(isinstance(p, DTensor) for p in model.parameters()):
         raise UnsupportedSetup(model_parallel_message("the model has DTensor parameters (tensor parallel or FSDP2)"))
     check_sparse(model)
+
+
+def check_accelerator(accelerator) -> None:
+    """Refuse launches and Accelerate modes hf_onebit cannot serve."""
+    check_launch(accelerator.num_processes)
+    check_distributed_type(accelerator.distributed_type, getattr(accelerator, "parallelism_config", None))
+
+
+def refuse_arguments(args) -> None:
+    """Refuse FSDP / DeepSpeed requested in the training arguments (before anything is set up)."""
+    if getattr(args, "fsdp", None):
+        raise UnsupportedSetup(fsdp_message())
+    if getattr(args, "deepspeed", None):
+        raise UnsupportedSetup(deepspeed_message())
+
+
+def check_trainer(trainer) -> None:
+    """Start-up refusals for a ``transformers.Trainer`` about to train with hf_onebit."""
+    refuse_arguments(trainer.args)
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise UnsupportedSetup(deepspeed_message())
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+        raise UnsupportedSetup(fsdp_message())
+    if getattr(trainer, "is_model_parallel", False):
+        raise UnsupportedSetup(model_parallel_message("the Trainer found the model split across devices"))
+    if trainer.args.n_gpu > 1:
+        raise UnsupportedSetup(
+            f"hf_onebit does not support torch.nn.DataParallel (one process driving {trainer.args.n_gpu} GPUs):"
+            " launch one process per GPU, e.g. accelerate launch --config_file"
+            " recipes/accelerate/single_node_multi_gpu.yaml script.py ..."
+        )
+    if getattr(trainer.args, "enable_jit_checkpoint", False):
+        raise UnsupportedSetup(
+            "hf_onebit does not support --enable_jit_checkpoint: the SIGTERM checkpoint is written between the"
+            " gradient exchange and the optimizer step and without every rank's compression state, so a run"
+            " resumed from it would not continue the same trajectory. Use --save_steps."
+        )
+    if trainer.model is not None:
+        check_model(trainer.model)
+    check_accelerator(trainer.accelerator)

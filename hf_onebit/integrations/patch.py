@@ -19,7 +19,7 @@ script.py ...`` / ``hf-onebit run script.py ...``) calls :func:`install` before 
    :func:`hf_onebit.integrations.trainer.before_train` (start-up refusals, loss-scaling fix,
    :class:`~hf_onebit.integrations.callbacks.OneBitCallback` which attaches the hook, saves and
    restores per-rank state and logs), then the original ``train``. For every optimizer it
-   first applies :func:`~hf_onebit.integrations.trainer.fix_loss_kwargs`, so that losses logged
+   first applies :func:`~hf_onebit.integrations.trainer_quirks.fix_loss_kwargs`, so that losses logged
    with ``--optim adamw_torch`` and with an hf_onebit optimizer compare.
 4. **``TrainingArguments.__post_init__``** is wrapped: for the four names it runs
    :func:`on_parse` (the defaults of :mod:`hf_onebit.integrations.defaults` unless given, and the
@@ -124,7 +124,7 @@ def on_parse(args) -> None:
     from hf_onebit.integrations.defaults import apply_launcher_defaults
     from hf_onebit.integrations.logs import announce
     from hf_onebit.integrations.options import optim_name, validate
-    from hf_onebit.integrations.trainer import refuse_arguments
+    from hf_onebit.integrations.checks import refuse_arguments
 
     name = optim_name(args.optim)
     refuse_arguments(args)
@@ -145,7 +145,8 @@ def install() -> None:
         is_onebit_name,
         optimizer_kwargs,
     )
-    from hf_onebit.integrations.trainer import before_train, fix_loss_kwargs
+    from hf_onebit.integrations.trainer import before_train
+    from hf_onebit.integrations.trainer_quirks import fix_loss_kwargs
 
     added = []
     for value in ONEBIT_OPTIMIZERS:  # 1. the --optim names

@@ -26,7 +26,7 @@ What it adds to ``transformers.Trainer`` (public API only; nothing is patched):
 * Refuses at start-up what hf_onebit cannot serve (:mod:`.checks`).
 * Makes the training gradient the plain mean over the global batch for models whose
   ``forward`` takes ``**kwargs`` but whose loss ignores ``num_items_in_batch`` (see
-  :func:`fix_loss_kwargs`).
+  :func:`~hf_onebit.integrations.trainer_quirks.fix_loss_kwargs`).
 """
 
 import inspect
@@ -38,7 +38,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.training_args import OptimizerNames
 
 from hf_onebit.integrations import checks
-from hf_onebit.integrations.accelerate import check_accelerator, unwrap_optimizer
+from hf_onebit.integrations.accelerate import unwrap_optimizer
 from hf_onebit.integrations.callbacks import OneBitCallback
 from hf_onebit.integrations.options import (
     ALL_FLAGS,
@@ -50,6 +50,7 @@ from hf_onebit.integrations.options import (
     validate,
 )
 from hf_onebit.integrations.logs import announce
+from hf_onebit.integrations.trainer_quirks import default_find_unused_off, fix_loss_kwargs
 from hf_onebit.optim import OneBitOptimizer
 
 logger = logging.getLogger("hf_onebit")
@@ -67,14 +68,6 @@ def unknown_optim_message(name: str) -> str:
         f"--optim {name!r} is not a known optimizer. hf_onebit: {', '.join(ONEBIT_OPTIMIZERS)}; transformers:"
         f" {', '.join(m.value for m in OptimizerNames if m.value not in ONEBIT_OPTIMIZERS)}"
     )
-
-
-def refuse_arguments(args) -> None:
-    """Refuse FSDP / DeepSpeed requested in the training arguments (before anything is set up)."""
-    if getattr(args, "fsdp", None):
-        raise checks.UnsupportedSetup(checks.fsdp_message())
-    if getattr(args, "deepspeed", None):
-        raise checks.UnsupportedSetup(checks.deepspeed_message())
 
 
 @dataclass
@@ -120,7 +113,7 @@ class OneBitTrainingArguments(TrainingArguments):
     def __post_init__(self):
         name = optim_name(self.optim)
         if is_onebit_name(name):
-            refuse_arguments(self)
+            checks.refuse_arguments(self)
             if self.ddp_find_unused_parameters is None:
                 self.ddp_find_unused_parameters = False  # see hf_onebit.integrations.checks.check_find_unused
             # The stock __post_init__ converts `optim` to transformers' OptimizerNames enum, which does
@@ -166,114 +159,6 @@ def uses_onebit(trainer) -> bool:
     return bool(cls_kwargs) and isinstance(cls_kwargs[0], type) and issubclass(cls_kwargs[0], OneBitOptimizer)
 
 
-def check_trainer(trainer) -> None:
-    """Start-up refusals for a Trainer about to train with hf_onebit (see :mod:`.checks`)."""
-    refuse_arguments(trainer.args)
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        raise checks.UnsupportedSetup(checks.deepspeed_message())
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
-        raise checks.UnsupportedSetup(checks.fsdp_message())
-    if getattr(trainer, "is_model_parallel", False):
-        raise checks.UnsupportedSetup(checks.model_parallel_message("the Trainer found the model split across devices"))
-    if trainer.args.n_gpu > 1:
-        raise checks.UnsupportedSetup(
-            f"hf_onebit does not support torch.nn.DataParallel (one process driving {trainer.args.n_gpu} GPUs):"
-            " launch one process per GPU, e.g. accelerate launch --config_file"
-            " recipes/accelerate/single_node_multi_gpu.yaml script.py ..."
-        )
-    if getattr(trainer.args, "enable_jit_checkpoint", False):
-        raise checks.UnsupportedSetup(
-            "hf_onebit does not support --enable_jit_checkpoint: the SIGTERM checkpoint is written between the"
-            " gradient exchange and the optimizer step and without every rank's compression state, so a run"
-            " resumed from it would not continue the same trajectory. Use --save_steps."
-        )
-    if trainer.model is not None:
-        checks.check_model(trainer.model)
-    check_accelerator(trainer.accelerator)
-
-
-def loss_uses_num_items(model) -> bool:
-    """Whether ``model``'s loss is normalised by the ``num_items_in_batch`` the Trainer passes.
-
-    The Trainer (checked: transformers 5.23) passes ``num_items_in_batch`` to every model whose
-    ``forward`` takes ``**kwargs`` and then assumes the loss is a sum over the whole
-    accumulated, all-process batch divided by that count: it skips the division by the
-    accumulation steps and multiplies by the number of processes. Models that compute a plain
-    per-batch mean (BERT sequence classification: ``CrossEntropyLoss()`` in ``forward``, or a
-    loss function without that parameter) then get a loss and gradients multiplied by
-    accumulation steps x processes. This reads the model: a declared ``accepts_loss_kwargs``
-    wins; otherwise ``forward`` must mention ``num_items_in_batch`` or call a
-    ``loss_function`` that takes it. When the source cannot be read, keep the Trainer's choice.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-    declared = getattr(base, "accepts_loss_kwargs", None)
-    if declared is not None:
-        return bool(declared)
-    try:
-        source = inspect.getsource(type(base).forward)
-    except (OSError, TypeError):
-        return True
-    if "num_items_in_batch" in source:
-        return True
-    if "loss_function" in source:
-        try:
-            return "num_items_in_batch" in inspect.signature(base.loss_function).parameters
-        except (TypeError, ValueError, AttributeError):
-            return True
-    return False
-
-
-def fix_loss_kwargs(trainer) -> bool:
-    """Set ``trainer.model_accepts_loss_kwargs = False`` if the model's loss ignores the item count.
-
-    Then the Trainer divides each micro-batch's mean loss by the accumulation steps and does
-    not multiply it by the number of processes, so DDP's average makes the gradient the plain
-    mean over the global batch, and the logged loss the plain mean loss. Only done while the
-    Trainer's own ``compute_loss`` is used without a ``compute_loss_func``. Returns whether
-    it changed anything.
-    """
-    if not hasattr(trainer, "model_accepts_loss_kwargs"):
-        logger.warning(
-            "hf_onebit: this transformers' Trainer has no model_accepts_loss_kwargs (checked with 5.23); cannot"
-            " check that the loss and gradients are plain means over the global batch"
-        )
-        return False
-    if not trainer.model_accepts_loss_kwargs or getattr(trainer, "compute_loss_func", None):
-        return False
-    if type(trainer).compute_loss is not Trainer.compute_loss:
-        return False  # a custom compute_loss decides its own scaling
-    model = trainer.accelerator.unwrap_model(trainer.model) if trainer.model is not None else None
-    if model is None or loss_uses_num_items(model):
-        return False
-    trainer.model_accepts_loss_kwargs = False
-    logger.info(
-        "hf_onebit: %s's forward takes **kwargs but its loss ignores num_items_in_batch; setting"
-        " model_accepts_loss_kwargs=False so the loss and gradients are plain means (not multiplied by"
-        " gradient accumulation steps x processes)", type(model).__name__,
-    )
-    return True
-
-
-def default_find_unused_off(trainer) -> bool:
-    """Build the DDP model with ``find_unused_parameters=False`` unless the user chose.
-
-    transformers 5.23 (``Trainer._build_accelerator_args``) turns it on for every
-    ``PreTrainedModel`` without activation checkpointing when ``--ddp_find_unused_parameters``
-    is not given; hf_onebit cannot run with it on gloo (:func:`.checks.check_find_unused`).
-    Accelerate 1.15 keeps the ``DistributedDataParallelKwargs`` in ``accelerator.ddp_handler``
-    and reads it when ``prepare`` builds the DDP model, which happens inside ``train()``, so
-    turning it off here, before training, takes effect. Returns whether it changed anything.
-    """
-    if trainer.args.ddp_find_unused_parameters is not None:
-        return False  # the user's choice (True is refused at attach time on gloo)
-    handler = getattr(trainer.accelerator, "ddp_handler", None)
-    if handler is None or not getattr(handler, "find_unused_parameters", False):
-        return False
-    handler.find_unused_parameters = False
-    logger.info("hf_onebit: building DDP with find_unused_parameters=False (pass --ddp_find_unused_parameters to choose)")
-    return True
-
-
 def enable(trainer) -> OneBitCallback | None:
     """Install hf_onebit on a Trainer that uses one of its optimizers (idempotent).
 
@@ -287,7 +172,7 @@ def enable(trainer) -> OneBitCallback | None:
             return cb
     if not uses_onebit(trainer):
         return None
-    check_trainer(trainer)
+    checks.check_trainer(trainer)
     fix_loss_kwargs(trainer)
     default_find_unused_off(trainer)
     cb = OneBitCallback(trainer)
@@ -341,7 +226,7 @@ def before_train(trainer, train_args: tuple = (), train_kwargs: dict | None = No
     note_precision(trainer)
     cb = enable(trainer)
     if cb is not None:
-        check_accelerator(trainer.accelerator)
+        checks.check_accelerator(trainer.accelerator)  # the launch is complete by now
         cb.resume_from = resolve_resume(trainer, train_args, train_kwargs or {})
 
 
@@ -353,7 +238,7 @@ class OneBitTrainer(Trainer):
 
     def __init__(self, model=None, args=None, *more, **kwargs):
         if model is not None and args is not None and is_onebit_name(getattr(args, "optim", None)):
-            refuse_arguments(args)
+            checks.refuse_arguments(args)
             checks.check_model(model)  # before the Trainer moves or wraps it
         super().__init__(model, args, *more, **kwargs)
         fix_loss_kwargs(self)
@@ -375,7 +260,5 @@ __all__ = [
     "OneBitTrainingArguments",
     "before_train",
     "enable",
-    "fix_loss_kwargs",
-    "loss_uses_num_items",
     "valid_optim_names",
 ]

@@ -105,7 +105,7 @@ def test_loss_kwargs_detection():
         LlamaForSequenceClassification,
     )
 
-    from hf_onebit.integrations.trainer import loss_uses_num_items
+    from hf_onebit.integrations.trainer_quirks import loss_uses_num_items
 
     bert = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
     llama = LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
