@@ -24,29 +24,22 @@ In every plan but LOCAL/SYNC_AFTER_STEP, ``.grad`` is bitwise identical on all r
 scales differs by plan (documented in ``docs/algorithms.md``): in COMPRESS_MOMENTUM it is the
 momentum, which ``step()`` takes as the new momentum.
 
-Compression segments
---------------------
-Error feedback needs state per compressed buffer. DDP's buckets are not stable: the first
-iteration after constructing DDP uses one bucket holding every parameter, later ones use
-buckets rebuilt in gradient-ready order. So compression state belongs to a *segment*, a tuple
-of parameter indices (the first DDP bucket layout that compression meets, saved and restored
-with the per-rank state). A bucket that equals a segment is compressed in place; a bucket that
-is a union of known segments (the one-bucket first iteration after a resume) is compressed
-segment by segment, so a resumed run issues exactly the same compressed calls as an
-uninterrupted one. A bucket that matches neither becomes a new segment.
+Compression segments (error state per group of parameters) are kept by a
+:class:`~hf_onebit.comm.segments.SegmentRegistry`; its module explains why they exist.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce, MeanAllReduce, executor_for
+from hf_onebit.comm.segments import Segment, SegmentRegistry
 from hf_onebit.kernels import ENV_VAR as KERNELS_ENV
 from hf_onebit.optim.workspace import Workspace
 
@@ -62,28 +55,6 @@ class Plan(str, enum.Enum):
     LOCAL = "local"
     SYNC_AFTER_STEP = "sync_after_step"
     VOTE = "vote"
-
-
-@dataclass
-class Segment:
-    """One compressed buffer: parameter indices, its error-feedback state and a work buffer."""
-
-    key: tuple[int, ...]
-    numel: int
-    comm: CompressedAllReduce
-    device: torch.device
-    _work: torch.Tensor | None = None
-
-    @property
-    def work(self) -> torch.Tensor:
-        """fp32 buffer of ``numel`` elements, allocated on first use and reused.
-
-        Not needed when a bucket *is* the segment and holds fp32: then the bucket's own buffer
-        is compressed in place (the common case, which saves 4 bytes per parameter).
-        """
-        if self._work is None:
-            self._work = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        return self._work
 
 
 def write_flat_(dst: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -242,8 +213,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self.grad_scale: Callable[[], torch.Tensor | None] | None = None
         self._workspace = Workspace()  # the step's temporaries (see workspace.py)
         self.steps_done = 0  # optimizer steps completed (t of the last step)
-        self._segments: dict[tuple[int, ...], Segment] = {}
-        self._pending_rank_state: dict | None = None
+        self.segments = SegmentRegistry(self._new_compressor)  # error state per group of parameters
         self._synced_step: int | None = None  # step t whose communication the hook delivered
         self._bucket_calls: dict[tuple[int, ...], int] = {}
         self._layout_step: int | None = None
@@ -364,72 +334,20 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 yield p, grad, (init_state(p) if init_state is not None else None), group
 
     # ---------------------------------------------------------------- segments
-    def _new_segment(self, key: tuple[int, ...], device: torch.device) -> Segment:
+    def _new_compressor(self, key: tuple[int, ...], device: torch.device) -> CompressedAllReduce:
+        """The compressed all-reduce of a new segment over the parameters ``key``."""
         params = self.params_in_order()
         numel = sum(params[i].numel() for i in key)
         piece_sizes = [params[i].numel() for i in key] if getattr(self, "scale_per_tensor", False) else None
-        comm = CompressedAllReduce(
+        return CompressedAllReduce(
             numel, device=device, group=self.process_group, stats=self.comm_stats,
             deferred_commit=self.grad_scale is not None,  # a loss scaler may skip the step
             piece_sizes=piece_sizes,
         )
-        seg = Segment(key, numel, comm, torch.device(device))
-        pending = (self._pending_rank_state or {}).get("segments", {}).pop(key, None)
-        if pending is not None:
-            comm.load_state_dict(pending)
-        for other in [k for k in self._segments if set(k) & set(key)]:
-            logger.debug("hf_onebit: segment %s replaced by a new bucket layout", other[:4])
-            del self._segments[other]
-        self._segments[key] = seg
-        return seg
-
-    def segments_for(self, key: tuple[int, ...], device: torch.device) -> list[Segment]:
-        """The segments that cover exactly the parameters ``key`` (a bucket), in a fixed order."""
-        if key in self._segments:
-            return [self._segments[key]]
-        wanted = set(key)
-        known = [s for s in self._segments.values() if set(s.key) <= wanted]
-        known_keys = self._pending_keys() if self._pending_rank_state else []
-        if not known and known_keys:
-            # Resume before any segment was built: materialise the saved ones this bucket covers.
-            for k in known_keys:
-                if set(k) <= wanted:
-                    known.append(self._new_segment(k, device))
-        covered = set().union(*(s.key for s in known)) if known else set()
-        if known and covered == wanted:
-            return sorted(known, key=lambda s: s.key)
-        return [self._new_segment(key, device)]
-
-    def _pending_keys(self) -> list[tuple[int, ...]]:
-        return list((self._pending_rank_state or {}).get("segments", {}).keys())
 
     def segments_covering_all(self, device: torch.device, cap_numel: int = 25 * 2**20 // 4) -> list[Segment]:
-        """Segments covering every parameter (for communication in ``step()``, e.g. 0/1 Adam).
-
-        Existing segments are reused; parameters not yet in any segment are grouped, in
-        parameter order, into new segments of at most ``cap_numel`` elements.
-        """
-        params = self.params_in_order()
-        # Restore the saved segments that carry error state. A key saved only as a bucket layout
-        # (no state yet) is not a segment here: the uninterrupted run, which had no segment
-        # either, groups those parameters in parameter order below, and so must the resumed one.
-        saved = (self._pending_rank_state or {}).get("segments", {})
-        for k in [k for k, state in saved.items() if state is not None and k not in self._segments]:
-            self._new_segment(k, device)
-        covered = set().union(*(s.key for s in self._segments.values())) if self._segments else set()
-        run: list[int] = []
-        size = 0
-        for i, p in enumerate(params):
-            if i in covered:
-                continue
-            if run and size + p.numel() > cap_numel:
-                self._new_segment(tuple(run), device)
-                run, size = [], 0
-            run.append(i)
-            size += p.numel()
-        if run:
-            self._new_segment(tuple(run), device)
-        return sorted(self._segments.values(), key=lambda s: s.key)
+        """Segments covering every parameter (for communication in ``step()``, e.g. 0/1 Adam)."""
+        return self.segments.covering_all([p.numel() for p in self.params_in_order()], device, cap_numel)
 
     # ---------------------------------------------------------------- the hook's entry point
     def reduce_bucket(self, params: list[torch.Tensor], buffer: torch.Tensor, grads: list[torch.Tensor]) -> torch.futures.Future:
@@ -469,7 +387,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
             mean = MeanAllReduce(self.process_group, self.comm_stats)
             return executor.submit(self._with_context(t, plan, lambda: mean(buffer)))
         if plan in self._SEGMENT_PLANS:
-            segments = self.segments_for(key, buffer.device)
+            segments = self.segments.for_bucket(key, buffer.device)
             scale_t = self.grad_scale() if self.grad_scale is not None else None
             job = lambda: self._compress_bucket(plan, segments, params, buffer, grads, scale_t)  # noqa: E731
             return executor.submit(self._with_context(t, plan, job))
@@ -562,8 +480,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------------- after each step
     def _after_step(self) -> None:
         """Commit this step's error buffers, advance counters, record traffic, log phase changes."""
-        for seg in self._segments.values():
-            seg.comm.commit()
+        self.segments.commit()
         self.steps_done += 1
         total = self.comm_stats.snapshot()
         prev = self._stats_at_last_step
@@ -773,15 +690,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
         Contains only tensors, ints and tuples, so ``torch.load(..., weights_only=True)`` reads it.
         """
-        segments = {k: s.comm.state_dict() for k, s in self._segments.items()}
-        if self._pending_rank_state:  # restored but not yet used: keep it
-            for k, v in self._pending_rank_state.get("segments", {}).items():
-                segments.setdefault(k, v)
         return {
             "world_size": self.world_size,
             "rank": self.rank,
             "steps_done": self.steps_done,
-            "segments": segments,
+            "segments": self.segments.state_dict(),  # restored but unused state included
             # The last bucket layout DDP used: a run resumed before compression started (e.g.
             # exactly at freeze_step) splits DDP's one-bucket first iteration along it, as the
             # uninterrupted run's buckets were.
@@ -796,8 +709,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         For resuming when the per-rank state is missing or unusable (e.g. another world size):
         see :func:`hf_onebit.checkpoint.load_rank_state`. Subclasses extend it.
         """
-        self._segments.clear()
-        self._pending_rank_state = None
+        self.segments.clear()
 
     def load_rank_state_dict(self, state: dict) -> None:
         """Restore :meth:`rank_state_dict` output; segments are rebuilt lazily as buckets arrive."""
@@ -806,7 +718,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 f"per-rank compression state was saved with {state['world_size']} ranks, this run has"
                 f" {self.world_size}; see docs on resuming with another world size"
             )
-        self._segments.clear()
         total = state.get("comm_total")
         if total:
             self.comm_stats.restore(CommRecord(**{k: int(v) for k, v in total.items()}))
@@ -816,4 +727,4 @@ class OneBitOptimizer(torch.optim.Optimizer):
         for key in state.get("layout", []):
             if not covered & set(key):  # a layout for parameters that have no error state yet
                 pending.setdefault(tuple(key), None)
-        self._pending_rank_state = {"segments": pending}
+        self.segments.load(pending)

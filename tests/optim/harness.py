@@ -95,7 +95,7 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
                 torch.save(opt.state_dict(), os.path.join(save_dir, "optimizer.pt"))
             torch.save(opt.rank_state_dict(), os.path.join(save_dir, f"rank{rank}.pt"))
             dist.barrier()
-    segments = sorted(opt._segments)
+    segments = sorted(opt.segments.keys())
     out = {"history": history, "segments": segments, "stats": opt.onebit_stats(), "global": opt.global_state()}
     if record_steps:
         out["steps"] = per_step
