@@ -69,7 +69,8 @@ def test_a_failed_rank_stops_the_others_with_a_clear_error(case, mode):
 
 def test_a_local_failure_in_a_communication_job_does_not_blame_a_peer():
     """A kernel or memory error on this rank is reported as local, with the kernel way out."""
-    from hf_onebit.optim.base import CommunicationError, LocalFailure, Plan
+    from hf_onebit.comm.failures import CommunicationError, LocalFailure
+    from hf_onebit.optim.base import Plan
 
     opt = build_optimizer("OneBitAdam", FixedGradModel().parameters(), dict(lr=1e-2, freeze_step=2))
 

