@@ -1,4 +1,5 @@
-"""1-bit compression kernels: one module per backend, all with the same five functions.
+"""1-bit compression kernels: one module per backend, each implementing one written contract
+(:mod:`~hf_onebit.kernels.contract`: the operations, and the arguments every backend refuses alike).
 
 * :mod:`~hf_onebit.kernels.reference`  plain torch, the definition (tests compare against it)
 * :mod:`~hf_onebit.kernels.cpu`        numba loops for CPU tensors (gloo users)

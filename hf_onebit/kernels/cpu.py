@@ -78,6 +78,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from . import contract
 from .reference import check_bounds, pack_signs, unpack_signs
 
 __all__ = [
@@ -556,16 +557,6 @@ def _rms_pieces(sumsq: np.ndarray, bounds: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(rms).to(torch.float32)
 
 
-def _check_lengths(x_numel: int, error: torch.Tensor, bits_out: torch.Tensor | None) -> None:
-    length = error.numel()
-    if length % 8:
-        raise ValueError(f"error length must be a multiple of 8, got {length}")
-    if x_numel > length:
-        raise ValueError(f"x has {x_numel} elements, more than the padded length {length}")
-    if bits_out is not None and bits_out.numel() != length // 8:
-        raise ValueError(f"bits_out must hold {length // 8} bytes, got {bits_out.numel()}")
-
-
 # --------------------------------------------------------------------------------------------
 # Public API (same as hf_onebit.kernels.reference)
 # --------------------------------------------------------------------------------------------
@@ -576,8 +567,8 @@ def worker_scale(x: torch.Tensor, error: torch.Tensor, *, bounds=None) -> torch.
 
     With ``bounds``: the ``(P,)`` RMS of each piece.
     """
+    contract.check_worker(x, error)
     e = _inplace_view("error", error, torch.float32)
-    _check_lengths(x.numel(), error, None)
     if bounds is None:
         return _rms(_worker_sumsq(_input_view(x), e), e.size)
     b = _bounds_array(bounds, e.size)
@@ -601,9 +592,11 @@ def worker_pack(
     error becomes ``y - s·sign⁺(y)`` only when all scales are finite. With ``bounds``,
     ``scales`` is ``(n, P)`` and piece ``p`` uses ``scales[rank, p]``.
     """
+    contract.check_worker(x, error, bits_out)
+    if bounds is None:
+        contract.check_rank(scales, rank)
     e = _inplace_view("error", error, torch.float32)
     b = _inplace_view("bits_out", bits_out, torch.uint8)
-    _check_lengths(x.numel(), error, bits_out)
     update = bool(torch.isfinite(scales).all())  # on the given dtype, as the reference does
     if bounds is None:
         s = _scales_f32(scales, scales.numel())
@@ -625,6 +618,7 @@ def server_average(bits: torch.Tensor, scales: torch.Tensor, *, bounds=None) -> 
 
     With ``bounds`` (over the chunk), ``scales`` is ``(n, P)``.
     """
+    contract.check_rows(bits, scales if bounds is None else None)
     bn = _bits_view(bits)
     out = torch.empty(8 * bn.shape[1], dtype=torch.float32)
     if bounds is None:
@@ -642,10 +636,9 @@ def server_scale(
 
     With ``bounds``: the ``(P,)`` RMS of each piece of ``z``.
     """
+    contract.check_server(bits, scales if bounds is None else None, server_error)
     bn = _bits_view(bits)
     e = _inplace_view("server_error", server_error, torch.float32)
-    if e.size != 8 * bn.shape[1]:
-        raise ValueError(f"server_error has {e.size} elements, bits rows hold {8 * bn.shape[1]}")
     if bounds is None:
         return _rms(_server_sumsq(bn, _scales_f32(scales, bn.shape[0]), e), e.size)
     bnd = _bounds_array(bounds, e.size)
@@ -667,6 +660,7 @@ def server_pack(
 
     With ``bounds``, ``scale`` holds the ``(P,)`` piece scales (all must be finite).
     """
+    contract.check_server(bits, scales if bounds is None else None, server_error, bits_out)
     if bounds is not None:
         _server_pack_with_pieces(bits, scales, server_error, scale, bits_out, bounds)
         return
@@ -680,14 +674,10 @@ def server_pack(
 
 
 def _server_pack_views(bits, server_error, bits_out):
-    """The numpy views :func:`server_pack` works on, checked against each other."""
+    """The numpy views :func:`server_pack` works on (checked by ``contract.check_server``)."""
     bn = _bits_view(bits)
     e = _inplace_view("server_error", server_error, torch.float32)
     b = _inplace_view("bits_out", bits_out, torch.uint8)
-    if e.size != 8 * bn.shape[1] or b.size != bn.shape[1]:
-        raise ValueError(
-            f"server_error ({e.size}) and bits_out ({b.size}) must match bits rows ({bn.shape[1]} bytes)"
-        )
     return bn, e, b
 
 
@@ -708,6 +698,7 @@ def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *
     ``bits`` has shape ``(n, C // 8)``: row ``j`` is chunk ``j`` of the result. With ``bounds``
     (over all ``n·C`` elements), ``out[k] = scales[piece(k)] · sign⁺_k``.
     """
+    contract.check_unpack(bits, scales if bounds is None else None, out)
     bn = _bits_view(bits)
     _check_cpu("out", out)
     if not out.is_contiguous():  # rare: decompress into contiguous memory, then copy over
@@ -715,8 +706,6 @@ def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *
         unpack_scaled(bits, scales, tmp, bounds=bounds)
         out.copy_(tmp)
         return
-    if out.numel() > 8 * bn.size:
-        raise ValueError(f"out has {out.numel()} elements, bits only {8 * bn.size}")
     raw = _INT_OF_SIZE.get(out.element_size())
     if raw is None or out.is_complex():
         raise TypeError(f"unpack_scaled cannot write {out.dtype}")

@@ -57,6 +57,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_onebit.kernels import contract
+
 __all__ = [
     "pack_signs",
     "pack_bools",
@@ -161,6 +163,7 @@ def worker_scale(x: torch.Tensor, error: torch.Tensor, *, bounds=None) -> torch.
 
     With ``bounds``: the ``(P,)`` RMS of each piece.
     """
+    contract.check_worker(x, error)
     y = _padded(x, error.numel()) + error
     if bounds is None:
         return _rms(y)
@@ -182,6 +185,9 @@ def worker_pack(
     ``scales[rank]``. The error becomes ``y - s·sign⁺(y)`` only when all scales are finite.
     With ``bounds``, ``scales`` is ``(n, P)`` and piece ``p`` uses ``scales[rank, p]``.
     """
+    contract.check_worker(x, error, bits_out)
+    if bounds is None:
+        contract.check_rank(scales, rank)
     y = _padded(x, error.numel()) + error
     bits_out.copy_(pack_signs(y))
     if bool(torch.isfinite(scales).all()):
@@ -200,6 +206,7 @@ def server_average(bits: torch.Tensor, scales: torch.Tensor, *, bounds=None) -> 
     With ``bounds`` (over the chunk), ``scales`` is ``(n, P)``: element ``k`` of row ``i`` is
     weighted by ``scales[i, piece(k)]``.
     """
+    contract.check_rows(bits, scales if bounds is None else None)
     signs = unpack_signs(bits)
     if bounds is not None:
         b = check_bounds(bounds, signs.shape[1])
@@ -217,6 +224,7 @@ def server_scale(
 
     With ``bounds``: the ``(P,)`` RMS of each piece of ``z``.
     """
+    contract.check_server(bits, scales if bounds is None else None, server_error)
     z = server_average(bits, scales, bounds=bounds) + server_error
     if bounds is None:
         return _rms(z)
@@ -237,6 +245,7 @@ def server_pack(
     With ``bounds``, ``scale`` is the ``(P,)`` output of :func:`server_scale` and ``ē`` is
     written only if all of them are finite.
     """
+    contract.check_server(bits, scales if bounds is None else None, server_error, bits_out)
     z = server_average(bits, scales, bounds=bounds) + server_error
     bits_out.copy_(pack_signs(z))
     if bool(torch.isfinite(scale).all()):
@@ -253,6 +262,7 @@ def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *
     ``bits`` has shape ``(n, C // 8)``: row ``j`` is chunk ``j`` of the result. With ``bounds``
     (over all ``n·C`` elements), ``out[k] = scales[piece(k)] · sign⁺_k``.
     """
+    contract.check_unpack(bits, scales if bounds is None else None, out)
     if bounds is not None:
         b = check_bounds(bounds, bits.numel() * 8)
         values = unpack_signs(bits).reshape(-1) * _expand(scales.reshape(-1), b)

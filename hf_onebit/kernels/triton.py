@@ -75,6 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import contract
 from .reference import check_bounds, pack_bools, pack_signs, unpack_signs
 
 __all__ = [
@@ -482,7 +483,7 @@ def worker_scale(
     With ``bounds``: the ``(P,)`` RMS of each piece.
     """
     _check_block(block)
-    _require(error, "error", torch.float32)
+    contract.check_worker(x, error)
     _same_device(x, error)
     L = error.numel()
     x_flat = _flat_input(x, L)
@@ -516,11 +517,7 @@ def worker_pack(
     ``scales`` is ``(n, P)`` and piece ``p`` uses ``scales[rank, p]``.
     """
     _check_block(block)
-    _require(error, "error", torch.float32)
-    L = error.numel()
-    if L % 8:
-        raise ValueError(f"error length must be a multiple of 8, got {L}")
-    _require(bits_out, "bits_out", torch.uint8, numel=L // 8)
+    L = contract.check_worker(x, error, bits_out)
     scales = scales.reshape(-1)
     _require(scales, "scales", torch.float32)
     if bounds is not None:
@@ -528,8 +525,7 @@ def worker_pack(
         _worker_pack_pieces(_flat_input(x, L), error, scales, rank, bits_out, bounds, block)
         return
     n = scales.numel()
-    if not 0 <= rank < n:
-        raise ValueError(f"rank {rank} out of range for {n} scales")
+    contract.check_rank(scales, rank)
     _same_device(x, error, scales, bits_out)
     x_flat = _flat_input(x, L)
     if L == 0:
@@ -550,6 +546,7 @@ def server_average(
     With ``bounds`` (over the chunk), ``scales`` is ``(n, P)``.
     """
     _check_block(block)
+    contract.check_rows(bits, scales if bounds is None else None)
     if bounds is not None:
         n, row_bytes, scales, table = _piece_rows(bits, scales, bounds, block)
         _same_device(bits, scales)
@@ -589,6 +586,7 @@ def server_scale(
     With ``bounds``: the ``(P,)`` RMS of each piece of ``z``.
     """
     _check_block(block)
+    contract.check_server(bits, scales if bounds is None else None, server_error)
     if bounds is not None:
         n, row_bytes, scales, table = _piece_rows(bits, scales, bounds, block)
         _require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
@@ -635,6 +633,7 @@ def server_pack(
     ``bounds``, ``scale`` holds the ``(P,)`` piece scales (all must be finite).
     """
     _check_block(block)
+    contract.check_server(bits, scales if bounds is None else None, server_error, bits_out)
     if bounds is not None:
         n, row_bytes, scales, table = _piece_rows(bits, scales, bounds, block)
         bnd, starts, pieces, _, counts, tiles = table
@@ -678,6 +677,7 @@ def unpack_scaled(
     (over all ``n·C`` elements), ``out[k] = scales[piece(k)] · sign⁺_k``.
     """
     _check_block(block)
+    contract.check_unpack(bits, scales if bounds is None else None, out)
     if bits.dim() != 2:
         raise ValueError(f"bits must have shape (n, C // 8), got {tuple(bits.shape)}")
     _require(bits, "bits", torch.uint8)

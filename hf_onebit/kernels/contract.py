@@ -1,0 +1,117 @@
+"""The kernel contract: what every backend module provides, and the arguments it refuses.
+
+A backend (:mod:`~hf_onebit.kernels.reference`, :mod:`~hf_onebit.kernels.cpu`,
+:mod:`~hf_onebit.kernels.triton`) is a module with the functions of :class:`KernelBackend`,
+computing what the reference computes (its module docstring is the vocabulary). Callers
+(:mod:`hf_onebit.comm`) see only this protocol, through :func:`hf_onebit.kernels.get_backend`.
+
+Every backend validates its arguments with the ``check_*`` functions below, first thing, so a
+malformed call fails the same way (same exception type, same message) whichever backend runs
+it. They read shapes, dtypes and layouts only, never values (on CUDA a value would make the
+host wait). A backend may refuse more than this (the Triton kernels want contiguous fp32 scales
+and one device; the CPU kernels want CPU tensors) and may take extra keyword-only tuning
+arguments with defaults (Triton's ``block``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class KernelBackend(Protocol):
+    """The functions of a kernel backend module (signatures as in :mod:`.reference`)."""
+
+    def worker_scale(self, x: torch.Tensor, error: torch.Tensor, *, bounds=None) -> torch.Tensor: ...
+
+    def worker_pack(self, x: torch.Tensor, error: torch.Tensor, scales: torch.Tensor, rank: int,
+                    bits_out: torch.Tensor, *, bounds=None) -> None: ...
+
+    def server_average(self, bits: torch.Tensor, scales: torch.Tensor, *, bounds=None) -> torch.Tensor: ...
+
+    def server_scale(self, bits: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor, *,
+                     bounds=None) -> torch.Tensor: ...
+
+    def server_pack(self, bits: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor,
+                    scale: torch.Tensor, bits_out: torch.Tensor, *, bounds=None) -> None: ...
+
+    def unpack_scaled(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, bounds=None) -> None: ...
+
+    def pack_signs(self, y: torch.Tensor) -> torch.Tensor: ...
+
+    def unpack_signs(self, bits: torch.Tensor) -> torch.Tensor: ...
+
+    def pack_bools(self, flags: torch.Tensor, out: torch.Tensor) -> None: ...
+
+    def check_bounds(self, bounds, length: int) -> list[int]: ...
+
+
+#: the functions every backend module defines (the members of :class:`KernelBackend`)
+OPERATIONS = tuple(name for name in vars(KernelBackend) if not name.startswith("_"))
+
+
+def _written(t: torch.Tensor, name: str, dtype: torch.dtype, numel: int | None = None) -> None:
+    """A tensor the kernels write in place: this dtype, contiguous, and (if given) this size."""
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (it is written in place)")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} must hold {numel} elements, got {t.numel()}")
+
+
+def check_worker(x: torch.Tensor, error: torch.Tensor, bits_out: torch.Tensor | None = None) -> int:
+    """The worker side: ``error`` fp32 of the padded length ``L`` (a multiple of 8), ``x`` a float
+    tensor of at most ``L`` elements, ``bits_out`` uint8 of ``L/8`` bytes. Returns ``L``."""
+    _written(error, "error", torch.float32)
+    length = error.numel()
+    if length % 8:
+        raise ValueError(f"error length must be a multiple of 8, got {length}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    if x.numel() > length:
+        raise ValueError(f"x has {x.numel()} elements, more than the padded length {length}")
+    if bits_out is not None:
+        _written(bits_out, "bits_out", torch.uint8, length // 8)
+    return length
+
+
+def check_rank(scales: torch.Tensor, rank: int) -> None:
+    """``scales`` holds one scale per rank (no pieces) and ``rank`` is one of them."""
+    if not 0 <= rank < scales.numel():
+        raise ValueError(f"rank {rank} out of range for {scales.numel()} scales")
+
+
+def check_rows(bits: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[int, int]:
+    """``(n, row_bytes)`` of the ``(n, C/8)`` uint8 bits, at least one row; without pieces,
+    ``scales`` holds one scale per row."""
+    if bits.dim() != 2 or bits.dtype != torch.uint8:
+        raise ValueError(f"bits must be a 2-D uint8 tensor (n, C // 8), got {tuple(bits.shape)} {bits.dtype}")
+    n, row_bytes = bits.shape
+    if n == 0:
+        raise ValueError("bits must have at least one row")
+    if scales is not None and scales.numel() != n:
+        raise ValueError(f"scales must hold {n} elements (one per row of bits), got {scales.numel()}")
+    return n, row_bytes
+
+
+def check_server(bits: torch.Tensor, scales: torch.Tensor | None, server_error: torch.Tensor,
+                 bits_out: torch.Tensor | None = None) -> tuple[int, int]:
+    """The server side: :func:`check_rows`, ``server_error`` fp32 of one row's ``C`` elements,
+    ``bits_out`` uint8 of one row's bytes."""
+    n, row_bytes = check_rows(bits, scales)
+    _written(server_error, "server_error", torch.float32, 8 * row_bytes)
+    if bits_out is not None:
+        _written(bits_out, "bits_out", torch.uint8, row_bytes)
+    return n, row_bytes
+
+
+def check_unpack(bits: torch.Tensor, scales: torch.Tensor | None, out: torch.Tensor) -> tuple[int, int]:
+    """:func:`check_rows`; ``out`` a float tensor (any layout) of at most ``n·C`` elements."""
+    n, row_bytes = check_rows(bits, scales)
+    if not out.is_floating_point():
+        raise TypeError(f"out must be a floating-point tensor, got {out.dtype}")
+    if out.numel() > 8 * n * row_bytes:
+        raise ValueError(f"out has {out.numel()} elements, bits only {8 * n * row_bytes}")
+    return n, row_bytes

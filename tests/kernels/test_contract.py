@@ -1,0 +1,75 @@
+"""The kernel contract (``hf_onebit.kernels.contract``), once for every backend.
+
+Each backend module has every operation with the reference's signature (a backend may add
+keyword-only tuning arguments with defaults), and refuses each malformed call with the same
+exception and the same message. The Triton backend runs under the interpreter (conftest.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from hf_onebit.kernels import contract
+from hf_onebit.kernels import reference as ref
+
+BACKENDS = ["reference", "cpu", "triton"]
+
+
+def backend(name: str):
+    if name == "triton":
+        pytest.importorskip("triton")
+    return importlib.import_module(f"hf_onebit.kernels.{name}")
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_every_operation_has_the_reference_signature(name):
+    module = backend(name)
+    for op in contract.OPERATIONS:
+        fn = getattr(module, op, None)
+        assert callable(fn), f"{name} has no {op}"
+        want = inspect.signature(getattr(ref, op)).parameters
+        got = inspect.signature(fn).parameters
+        extra = [p for k, p in got.items() if k not in want]
+        assert [k for k in got if k in want] == list(want), f"{name}.{op}: {list(got)} vs {list(want)}"
+        assert all(p.kind is p.KEYWORD_ONLY and p.default is not p.empty for p in extra), f"{name}.{op}: {extra}"
+
+
+def u8(*shape):
+    return torch.zeros(shape, dtype=torch.uint8)
+
+
+#: (call, exception, message): each a malformed call every backend must refuse the same way
+BAD_CALLS = {
+    "error not fp32": (lambda k: k.worker_scale(torch.zeros(3), torch.zeros(16, dtype=torch.float64)),
+                       TypeError, "error must be torch.float32"),
+    "error length": (lambda k: k.worker_scale(torch.zeros(3), torch.zeros(12)), ValueError, "multiple of 8"),
+    "x too long": (lambda k: k.worker_scale(torch.zeros(17), torch.zeros(16)), ValueError, "more than the padded length"),
+    "x not float": (lambda k: k.worker_scale(torch.zeros(3, dtype=torch.int64), torch.zeros(16)), TypeError, "floating-point"),
+    "error strided": (lambda k: k.worker_pack(torch.zeros(3), torch.zeros(32)[::2], torch.ones(1), 0, u8(2)),
+                      ValueError, "error must be contiguous"),
+    "bits_out size": (lambda k: k.worker_pack(torch.zeros(3), torch.zeros(16), torch.ones(1), 0, u8(3)),
+                      ValueError, "bits_out must hold 2 elements"),
+    "rank": (lambda k: k.worker_pack(torch.zeros(3), torch.zeros(16), torch.ones(2), 2, u8(2)), ValueError, "rank 2 out of range"),
+    "bits 1-D": (lambda k: k.server_average(u8(4), torch.ones(1)), ValueError, "2-D uint8"),
+    "no rows": (lambda k: k.server_average(u8(0, 2), torch.ones(0)), ValueError, "at least one row"),
+    "scales per row": (lambda k: k.server_average(u8(2, 2), torch.ones(3)), ValueError, "one per row"),
+    "server_error size": (lambda k: k.server_scale(u8(2, 1), torch.ones(2), torch.zeros(16)),
+                          ValueError, "server_error must hold 8 elements"),
+    "server bits_out size": (lambda k: k.server_pack(u8(2, 1), torch.ones(2), torch.zeros(8), torch.ones(()), u8(2)),
+                             ValueError, "bits_out must hold 1 elements"),
+    "out too long": (lambda k: k.unpack_scaled(u8(2, 1), torch.ones(2), torch.zeros(17)), ValueError, "out has 17 elements"),
+    "out not float": (lambda k: k.unpack_scaled(u8(2, 1), torch.ones(2), torch.zeros(8, dtype=torch.int32)),
+                      TypeError, "floating-point"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+@pytest.mark.parametrize("name", BACKENDS)
+def test_malformed_calls_are_refused_alike(name, case):
+    call, exc, message = BAD_CALLS[case]
+    with pytest.raises(exc, match=message):
+        call(backend(name))
