@@ -64,14 +64,15 @@ def test_grad_scaler_skips_everywhere_and_leaves_error_buffers_untouched(bad_ste
     assert outs[0][-1]["n_segments"] > 0
 
 
-def _accumulation(rank, world_size, misuse):
+def _accumulation(rank, world_size, misuse, scaler=False):
     import hf_onebit
 
     torch.manual_seed(0)
     model = FixedGradModel()
     opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
     ddp = DDP(model, bucket_cap_mb=0.01)
-    hf_onebit.attach(ddp, opt)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
+    hf_onebit.attach(ddp, opt, grad_scaler=grad_scaler)
     calls = []
     original = opt.reduce_bucket
 
@@ -104,9 +105,12 @@ def test_accumulation_with_no_sync_fires_the_hook_once_per_step():
     assert all(torch.equal(a, b) for a, b in zip(params, outs[1][1]))
 
 
-def test_accumulation_without_no_sync_is_refused_in_compression():
+@pytest.mark.parametrize("scaler", [False, True], ids=["no-scaler", "grad-scaler"])
+def test_accumulation_without_no_sync_is_refused_in_compression(scaler):
+    """A repeat of the hook for a step is admitted only after a non-finite attempt (a skipped
+    step), so with a loss scaler too a finite repeat is refused, not compressed twice."""
     with pytest.raises(AssertionError, match="no_sync"):
-        run_distributed(_accumulation, 2, True)
+        run_distributed(_accumulation, 2, True, scaler)
 
 
 def _clip_and_autocast(rank, world_size):

@@ -182,7 +182,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self.steps_done = 0  # optimizer steps completed (t of the last step)
         self.segments = SegmentRegistry(self._new_compressor)  # error state per group of parameters
         self._synced_step: int | None = None  # step t whose communication the hook delivered
-        self._bucket_calls: dict[tuple[int, ...], int] = {}
+        self._bucket_calls: dict[tuple[int, ...], int] = {}  # bucket -> step t of its last hook call
+        self._attempts: dict[tuple[int, ...], int] = {}  # bucket -> attempt number of that call at t
+        # step t -> attempt -> 0-dim device bool: every bucket result of that attempt was finite
+        self._attempt_finite: dict[int, dict[int, torch.Tensor]] = {}
         self._layout_step: int | None = None
         self._layout: list[tuple[int, ...]] = []
         self._last_phase: str | None = None
@@ -326,16 +329,23 @@ class OneBitOptimizer(torch.optim.Optimizer):
         plan = self.plan()
         index = self._index_of()
         key = tuple(index[id(p)] for p in params)
-        if self._bucket_calls.get(key) == t and plan is not Plan.ALLREDUCE and self.grad_scale is None:
-            # (With a loss scaler a repeat is legitimate: the scaler skipped step t, and the
-            # deferred error buffers of the skipped attempt were never committed.)
-            # Fail through the future: an exception raised inside a DDP hook kills the process.
-            return _failed(RuntimeError(
-                "hf_onebit: the communication hook ran twice for the same bucket before optimizer.step()."
-                " For gradient accumulation wrap the non-final micro-batches in `ddp.no_sync()` (Accelerate:"
-                " `accelerator.accumulate(model)`, HF Trainer: --gradient_accumulation_steps), so the hook"
-                " fires once per optimizer step."
-            ))
+        if self._bucket_calls.get(key) == t and plan is not Plan.ALLREDUCE:
+            # One rule for repeats: the hook may run again for step t only when the previous
+            # attempt's result was non-finite (a loss scaler, or the loop, skipped the step; the
+            # skipped attempt's deferred error buffers were never committed). Anything else is
+            # gradient accumulation without no_sync(), which would compress twice.
+            if not self._previous_attempt_failed(key, t):
+                # Fail through the future: an exception raised inside a DDP hook kills the process.
+                return _failed(RuntimeError(
+                    "hf_onebit: the communication hook ran twice for the same bucket before optimizer.step()."
+                    " For gradient accumulation wrap the non-final micro-batches in `ddp.no_sync()` (Accelerate:"
+                    " `accelerator.accumulate(model)`, HF Trainer: --gradient_accumulation_steps), so the hook"
+                    " fires once per optimizer step."
+                ))
+            self._attempts[key] += 1
+        else:
+            self._attempts[key] = 0
+        attempt = self._attempts[key]
         self._bucket_calls[key] = t
         self._synced_step = t
         if self._layout_step != t:  # remember this step's bucket layout (saved per rank)
@@ -346,16 +356,37 @@ class OneBitOptimizer(torch.optim.Optimizer):
             if self.grad_scale is None:
                 return _completed(buffer)
             # With a loss scaler, ranks must skip a step together (see poison_unless_all_finite_).
-            return executor.submit(lambda: poison_unless_all_finite_(buffer, self.process_group, self.comm_stats))
+            return executor.submit(lambda: self._noted(t, attempt, poison_unless_all_finite_(
+                buffer, self.process_group, self.comm_stats)))
         if plan is Plan.ALLREDUCE:
             mean = MeanAllReduce(self.process_group, self.comm_stats)
             return executor.submit(self._with_context(t, plan, lambda: mean(buffer)))
         if plan in self._SEGMENT_PLANS:
             segments = self.segments.for_bucket(key, buffer.device)
             scale_t = self.grad_scale() if self.grad_scale is not None else None
-            job = lambda: self._compress_bucket(plan, segments, params, buffer, grads, scale_t)  # noqa: E731
+            job = lambda: self._noted(t, attempt, self._compress_bucket(plan, segments, params, buffer, grads, scale_t))  # noqa: E731
             return executor.submit(self._with_context(t, plan, job))
         return self.reduce_bucket_custom(plan, key, params, buffer, grads)
+
+    def _previous_attempt_failed(self, key: tuple[int, ...], t: int) -> bool:
+        """Whether the last attempt at step ``t`` gave a non-finite result for some bucket.
+
+        Reads a device flag on the host, but only here: when the hook runs again for a step
+        (a skipped step, or a misuse), never in the steady state.
+        """
+        finite = self._attempt_finite.get(t, {}).get(self._attempts.get(key, 0))
+        return finite is not None and not bool(finite)
+
+    def note_attempt(self, t: int, attempt: int, finite: torch.Tensor) -> None:
+        """Record, on the device, whether a bucket result of ``attempt`` at step ``t`` was finite."""
+        attempts = self._attempt_finite.setdefault(t, {})
+        seen = attempts.get(attempt)
+        attempts[attempt] = finite if seen is None else seen & finite
+
+    def _noted(self, t: int, attempt: int, result: torch.Tensor) -> torch.Tensor:
+        """``result``, after recording whether it is finite (see :meth:`note_attempt`)."""
+        self.note_attempt(t, attempt, finite_flag(result))
+        return result
 
     def _with_context(self, t: int, plan: Plan, job):
         """Wrap a communication job so a failure says where it happened and what to suspect."""
@@ -418,6 +449,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def _after_step(self) -> None:
         """Commit this step's error buffers, advance counters, record traffic, log phase changes."""
         self.segments.commit()
+        self._attempt_finite.pop(self.steps_done + 1, None)
         self.steps_done += 1
         total = self.comm_stats.snapshot()
         prev = self._stats_at_last_step

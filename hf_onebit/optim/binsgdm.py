@@ -215,9 +215,6 @@ class BinSGDM(OneBitOptimizer):
         self._layouts: dict[tuple[int, ...], _Layout] = {}
         self._next: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # idx -> pending (m, b)
         self._pending_t: dict[int, int] = {}  # idx -> step whose pending (m, b) the hook wrote
-        self._attempts: dict[tuple[int, ...], int] = {}  # bucket -> attempt number of its last call
-        # step -> attempt -> 0-dim device bool: some bucket of that attempt voted non-finite
-        self._nan_attempts: dict[int, dict[int, torch.Tensor]] = {}
         self._streams: dict[int, VoteStream] = {}
         self._loaded_vote_state: dict | None = None
         self._warned_fresh = False
@@ -383,31 +380,6 @@ class BinSGDM(OneBitOptimizer):
         self._loaded_vote_state = {"steps_done": int(state["steps_done"]), "params": dict(vote["params"])}
 
     # ---------------------------------------------------------------- the hook side
-    def reduce_bucket(self, params, buffer, grads):
-        # A step is skipped (by a GradScaler, or by hand) when the vote came out non-finite;
-        # the next backward then runs the hook again for the same step t. The base's guard
-        # ("hook ran twice before step()": gradient accumulation without no_sync()) is off
-        # whenever a loss scaler is attached; this keeps it on otherwise and admits exactly
-        # these retries: attempt ``a`` of a bucket at step t is its a-th call at t, every
-        # bucket of one backward has the same attempt number, and if any bucket of attempt
-        # ``a`` voted NaN the whole attempt was skipped, so attempt ``a + 1`` is admitted.
-        # (This rule, "repeat allowed iff the previous attempt was non-finite", would also let
-        # the base keep its guard under a loss scaler.)
-        t = self.steps_done + 1
-        index = self._index_of()
-        key = tuple(index[id(p)] for p in params)
-        if self._bucket_calls.get(key) == t:
-            attempt = self._attempts.get(key, 0)
-            voted_nan = self._nan_attempts.get(t, {}).get(attempt)
-            # A host sync, but only here: the hook ran again for step t (a skipped step, or a
-            # misuse that the base refuses), never in the steady state.
-            if voted_nan is not None and bool(voted_nan):
-                self._bucket_calls.pop(key)
-                self._attempts[key] = attempt + 1
-        else:
-            self._attempts[key] = 0
-        return super().reduce_bucket(params, buffer, grads)
-
     def reduce_bucket_custom(self, plan, key, params, buffer, grads) -> torch.futures.Future:
         if plan is not Plan.VOTE:
             return super().reduce_bucket_custom(plan, key, params, buffer, grads)
@@ -483,23 +455,13 @@ class BinSGDM(OneBitOptimizer):
                 node_stream.uniform_(layout.uniform[item.offset : item.offset + item.numel], t, item.index)
         qbar, valid = vote(layout.votes, all_finite, n, node_uniform=layout.uniform, scratch=layout.theta)
         qbar.masked_fill_(~valid, float("nan"))
-        self._note_validity(t, attempt, valid)
+        self.note_attempt(t, attempt, valid)  # a repeat of step t is admitted only after a NaN vote
         for item, g in zip(layout.items, grads):
             src = qbar[item.offset : item.offset + item.numel]
             if scale_t is not None:
                 src = src * scale_t
             write_flat_(g, src)  # g has the parameter's strides: reshape(-1) could be a copy
         return buffer
-
-    def _note_validity(self, t: int, attempt: int, valid: torch.Tensor) -> None:
-        """Remember, on the device, whether some bucket of ``attempt`` at step ``t`` voted NaN.
-
-        Read on the host only when the hook runs again for step ``t`` (:meth:`reduce_bucket`),
-        i.e. after a skipped step: the steady state never waits for it.
-        """
-        attempts = self._nan_attempts.setdefault(t, {})
-        seen = attempts.get(attempt)
-        attempts[attempt] = ~valid if seen is None else seen | ~valid
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
@@ -520,7 +482,6 @@ class BinSGDM(OneBitOptimizer):
                 q = self._local_vote(idx, p, grad, group, t)
             self._commit(idx, p)
             vote_update_(p, q, lr=group["lr"], weight_decay=group["weight_decay"])
-        self._nan_attempts.pop(t, None)
         self._after_step()
         return loss
 
