@@ -181,12 +181,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._workspace = Workspace()  # the step's temporaries (see workspace.py)
         self.steps_done = 0  # optimizer steps completed (t of the last step)
         self.segments = SegmentRegistry(self._new_compressor)  # error state per group of parameters
-        self._synced_step: int | None = None  # step t whose communication the hook delivered
         self._bucket_calls: dict[tuple[int, ...], int] = {}  # bucket -> step t of its last hook call
         self._attempts: dict[tuple[int, ...], int] = {}  # bucket -> attempt number of that call at t
         # step t -> attempt -> 0-dim device bool: every bucket result of that attempt was finite
         self._attempt_finite: dict[int, dict[int, torch.Tensor]] = {}
-        self._layout_step: int | None = None
+        self._layout_step: int | None = None  # step t whose buckets the hook saw (it communicated for t)
         self._layout: list[tuple[int, ...]] = []
         self._last_phase: str | None = None
         self._stats_at_last_step = CommRecord()
@@ -274,18 +273,14 @@ class OneBitOptimizer(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     def _index_of(self) -> dict[int, int]:
-        cache = getattr(self, "_index_cache", None)
-        if cache is None or len(cache) != sum(len(g["params"]) for g in self.param_groups):
-            cache = {id(p): i for i, p in enumerate(self.params_in_order())}
-            self._index_cache = cache
-        return cache
+        if self._index_cache is None:  # reset by add_param_group and load_state_dict
+            self._index_cache = {id(p): i for i, p in enumerate(self.params_in_order())}
+        return self._index_cache
 
     def _group_map(self) -> dict[int, dict]:
-        cache = getattr(self, "_group_cache", None)
-        if cache is None:
-            cache = {id(p): g for g in self.param_groups for p in g["params"]}
-            self._group_cache = cache
-        return cache
+        if self._group_cache is None:  # reset by add_param_group and load_state_dict
+            self._group_cache = {id(p): g for g in self.param_groups for p in g["params"]}
+        return self._group_cache
 
     def grads_in_order(self, init_state: Callable[[torch.Tensor], dict] | None = None, *, skip_empty: bool = False):
         """``(p, grad32, state, group)`` for every parameter with a gradient, in parameter order.
@@ -347,7 +342,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
             self._attempts[key] = 0
         attempt = self._attempts[key]
         self._bucket_calls[key] = t
-        self._synced_step = t
         if self._layout_step != t:  # remember this step's bucket layout (saved per rank)
             self._layout_step, self._layout = t, []
         self._layout.append(key)
@@ -474,7 +468,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """Whether the hook communicated for step ``t``; raise if it should have and did not."""
         if self.world_size == 1:
             return False
-        if self._synced_step != t:
+        if self._layout_step != t:
             raise RuntimeError(
                 f"hf_onebit: {type(self).__name__}.step() runs on {self.world_size} ranks but the"
                 " communication hook did not run for this step. Call"

@@ -332,7 +332,6 @@ class BinSGDM(OneBitOptimizer):
         super().load_state_dict(state_dict)
         self._next.clear()
         self._pending_t.clear()
-        self._index_cache = None
 
     def rank_state_dict(self) -> dict:
         """This rank's ``m``, ``b`` per parameter index (plus the base's entries and the seed)."""
