@@ -46,6 +46,16 @@ class Segment:
             self._work = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         return self._work
 
+    def views(self, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(p, p's flat range of work)`` for each parameter of the segment, in key order
+        (``params``: every parameter, in the optimizer's order)."""
+        out, off = [], 0
+        for i in self.key:
+            p = params[i]
+            out.append((p, self.work[off : off + p.numel()]))
+            off += p.numel()
+        return out
+
 
 class SegmentRegistry:
     """The segments of one optimizer, with the saved state of those not built yet.

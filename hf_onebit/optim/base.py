@@ -425,18 +425,12 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 self.finish_receive(plan, p, g.reshape(-1), g, scale_t)
             return buffer
         for seg in segments:
-            off = 0
-            views = []
-            for i in seg.key:
-                p = all_params[i]
-                g = grads[position[id(p)]]
-                n = p.numel()
-                self.prepare_send(plan, p, g, seg.work[off : off + n], inv)
-                views.append((p, g, off, n))
-                off += n
+            views = seg.views(all_params)
+            for p, view in views:
+                self.prepare_send(plan, p, grads[position[id(p)]], view, inv)
             seg.comm(seg.work)
-            for p, g, off, n in views:
-                self.finish_receive(plan, p, seg.work[off : off + n], g, scale_t)
+            for p, view in views:
+                self.finish_receive(plan, p, view, grads[position[id(p)]], scale_t)
         return buffer
 
     # ---------------------------------------------------------------- after each step

@@ -426,24 +426,16 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         segments = self.segments_covering_all(params[0].device)
         futures = []
         for seg in segments:  # fill a segment, queue it, fill the next while it travels
-            off = 0
-            for i in seg.key:
-                p = params[i]
+            for p, view in seg.views(params):
                 state = self._init_local_state(p)
-                n = p.numel()
                 denom = self._denominator(state, groups[id(p)])
-                torch.mul(state["momentum_accumulator"], denom, out=seg.work[off : off + n].view(p.shape))
-                off += n
+                torch.mul(state["momentum_accumulator"], denom, out=view.view(p.shape))
             futures.append(self.compress_segment_async(seg, Plan.SYNC_AFTER_STEP))
         for seg, fut in zip(segments, futures):
             fut.wait()
-            off = 0
-            for i in seg.key:
-                p = params[i]
+            for p, view in seg.views(params):
                 state = self.state[p]
-                n = p.numel()
-                ubar = seg.work[off : off + n].view(p.shape)
-                off += n
+                ubar = view.view(p.shape)
                 if "mask" in state:
                     ubar.mul_(state["mask"])
                 lam = state["lr_sum"]
