@@ -53,6 +53,9 @@ def freeze_late_rows(freeze: int) -> None:
                 if self._late_rows_t <= freeze:
                     seen |= p.grad.ne(0).any(dim=1)
                 else:
+                    if self._late_rows_t == freeze + 1 and os.environ.get("RANK", "0") == "0":
+                        print(f"late_rows: {int((~seen).sum())} of {seen.numel()} rows of a {tuple(p.shape)}"
+                              f" embedding had no gradient in steps 1..{freeze}: frozen from now on", flush=True)
                     p.grad[~seen] = 0
         return original(self, *args, **kwargs)
 
