@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_onebit.comm import runs_inline
+from hf_onebit.comm.compat import all_gather_bytes
 from hf_onebit.kernels.selftest import self_test
 from hf_onebit.optim.base import OneBitOptimizer, logger
 from hf_onebit.refusals import check_find_unused, check_sparse
@@ -160,30 +161,11 @@ def _lookup(tree: Any, path: str) -> Any:
     return tree
 
 
-def _all_gather_bytes(data: bytes, device: torch.device, group) -> list[bytes]:
-    """Every rank's ``data``, exchanged as uint8 tensors on ``device`` (the parameters' device).
-
-    Not ``all_gather_object``: with NCCL it stages through ``torch.cuda.current_device()``, which is
-    device 0 on every rank of a script that never calls ``torch.cuda.set_device`` (stock DDP
-    works there), so all ranks would share one GPU and NCCL fails or hangs.
-    """
-    n = dist.get_world_size(group)
-    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: mine.numel()] = mine
-    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
-    dist.all_gather(gathered, padded, group=group)
-    return [bytes(g[: int(s)].cpu().numpy()) for g, s in zip(gathered, sizes)]
-
-
 def _check_same_on_every_rank(optimizer: OneBitOptimizer, group) -> None:
     """Refuse ranks built differently (hyperparameters, counters, shapes): they would deadlock
     or silently diverge. One small all-gather at attach time."""
     device = optimizer.params_in_order()[0].device
-    everyone = [pickle.loads(b) for b in _all_gather_bytes(pickle.dumps(optimizer.fingerprint()), device, group)]
+    everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(optimizer.fingerprint()), device, group)]
     for rank, theirs in enumerate(everyone):
         where = _first_difference(everyone[0], theirs)
         if where is not None:
