@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce, MeanAllReduce, executor_for
 from hf_onebit.comm.allreduce import finite_flag, poison_unless_all_finite_
-from hf_onebit.comm.failures import CommunicationError, LocalFailure, with_failure_context  # noqa: F401 (re-exported)
+from hf_onebit.comm.failures import with_failure_context
 from hf_onebit.comm.segments import Segment, SegmentRegistry
 from hf_onebit.optim.workspace import Workspace
 
