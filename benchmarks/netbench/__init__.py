@@ -1,0 +1,19 @@
+"""The parts of ``benchmarks/network.py``: link (namespaces, tc), data, methods (with their counters),
+report (summaries, tables, plots). Run the benchmark as ``python benchmarks/network.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]  # the repository (benchmarks/netbench/__init__.py)
+METHODS = ["adamw", "fp16", "powersgd", "onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm"]
+LABELS = {
+    "adamw": "AdamW (fp32 all-reduce)",
+    "fp16": "AdamW + fp16 hook",
+    "powersgd": "AdamW + PowerSGD r4",
+    "onebit_adam": "1-bit Adam",
+    "zeroone_adam": "0/1 Adam",
+    "onebit_lamb": "1-bit LAMB",
+    "binsgdm": "BinSGDM",
+}
+HF_ONEBIT = {"onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm"}

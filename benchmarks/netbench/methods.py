@@ -1,0 +1,342 @@
+"""The methods side by side: models, optimizers and hooks, their byte counters, and the worker loop."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from netbench.data import load_task, load_tokenizer, make_blocks, minilm_dir, mlm_batches, sentiment_batches
+from netbench.link import _read_lo_tx, probe_link
+from netbench.report import _window_freeze
+
+
+def freeze_dead_parameters(model, freeze_embeddings: bool) -> None:
+    """``requires_grad_(False)`` on the attention key biases (and, if asked, the word embedding).
+
+    A key bias adds the same ``q·b`` to every score of a query, which softmax ignores: its
+    gradient is zero in exact arithmetic and ~1e-12 in floating point (measured: RMS 3.9e-12
+    against 1.2e-5 for the key weight). That is not exactly zero, so hf_onebit's ``auto_mask``
+    keeps it, and once compression starts the compressor hands it ``±scale`` of its bucket while
+    ``sqrt(v) ≈ 1e-12 < eps``: 1-bit Adam then moved key biases by ~12 per step (measured) and
+    training stalled. Freezing them changes nothing for AdamW (their update is ~0 anyway).
+    """
+    for name, p in model.named_parameters():
+        if name.endswith("attention.self.key.bias") or (freeze_embeddings and "word_embeddings" in name):
+            p.requires_grad_(False)
+
+
+def build_model(kind: str, vocab: int, seq: int, train_key_bias: bool = False):
+    """The benchmark model; ``model(*batch)`` returns the loss. Same initial weights on every call."""
+    import torch
+
+    torch.manual_seed(0)
+    if kind == "minilm":
+        from transformers import AutoModelForSequenceClassification
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+        class Classifier(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = AutoModelForSequenceClassification.from_pretrained(str(minilm_dir()), num_labels=2)
+
+            def forward(self, input_ids, attention_mask, labels):
+                return self.net(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+        model = Classifier()
+        freeze_dead_parameters(model, freeze_embeddings=True)
+    else:
+        from transformers import BertConfig, BertForMaskedLM
+
+        class MLM(torch.nn.Module):
+            """BERT encoder + MLM head; logits only at the masked positions (cheap with a 30k vocab)."""
+
+            def __init__(self):
+                super().__init__()
+                config = BertConfig(vocab_size=vocab, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                    intermediate_size=1024, max_position_embeddings=max(128, seq))
+                self.net = BertForMaskedLM(config)
+
+            def forward(self, input_ids, labels):
+                h = self.net.bert(input_ids=input_ids)[0]
+                sel = labels != -100
+                logits = self.net.cls(h[sel])
+                return torch.nn.functional.cross_entropy(logits, labels[sel])
+
+        model = MLM()
+        if not train_key_bias:
+            freeze_dead_parameters(model, freeze_embeddings=False)
+    if kind == "minilm" and train_key_bias:
+        for name, p in model.named_parameters():
+            if name.endswith("attention.self.key.bias"):
+                p.requires_grad_(True)
+    return model
+
+
+def build_method(method: str, model, args):
+    """(optimizer, ddp model, counter) for one method; the counter reports bytes and rounds."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_onebit
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    f = args.freeze
+    counter = None
+    if method in ("adamw", "fp16", "powersgd"):
+        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+        # PowerSGD chains its all-reduces in future callbacks, which gloo completes in a different
+        # order on each rank when several buckets are in flight: it crashed with a collective size
+        # mismatch here. One bucket for all gradients keeps a single chain per step.
+        ddp = DDP(model, bucket_cap_mb=4096) if method == "powersgd" else DDP(model)
+        if method == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            counter = AllReduceCounter()
+        elif method == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                                start_powerSGD_iter=max(2, f if f != "auto" else round(0.2 * args.steps)))
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            counter = AllReduceCounter()
+        else:
+            counter = BuiltinAllReduceCount(ddp, params)
+        return opt, ddp, counter
+    opt = onebit_optimizer(method, params, args, f)
+    ddp = DDP(model)
+    hf_onebit.attach(ddp, opt)
+    return opt, ddp, OneBitCount(opt)
+
+
+def onebit_optimizer(method: str, params, args, freeze: int):
+    """The hf_onebit optimizer of ``method`` as the benchmarks configure it (also convergence.py's).
+
+    Hyperparameters follow the published guidance scaled to a run of ``args.steps`` steps;
+    ``args.onebit_args`` (JSON) adds keyword arguments, e.g. ``{"bias_correction": true}``.
+    """
+    import hf_onebit
+
+    extra = json.loads(args.onebit_args or "{}")
+    if freeze == "auto":  # the automatic freeze with the bounds the HF integration fits to a run
+        from hf_onebit.optim.freeze import AutoFreeze
+
+        freeze = AutoFreeze.for_run(args.steps)
+    # 0/1 Adam's schedules are set from the freeze step; under "auto" from its 20% estimate
+    estimate = freeze if isinstance(freeze, int) else max(2, round(0.2 * args.steps))
+    if method == "onebit_adam":
+        return hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=freeze, **extra)
+    if method == "zeroone_adam":
+        scaled = dict(betas=(0.9, 0.99), var_update_scaler=max(1, estimate // 4),
+                      local_step_scaler=max(1, args.steps // 10), local_step_clipper=16)
+        return hf_onebit.ZeroOneAdam(params, lr=args.lr, var_freeze_step=freeze, **{**scaled, **extra})  # --onebit-args wins
+    if method == "onebit_lamb":
+        return hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=freeze, **extra)
+    if method == "binsgdm":  # its vote sends signs only: no scale to take per tensor, no variance to clip by
+        return hf_onebit.BinSGDM(params, lr=args.lr, **{k: v for k, v in extra.items()
+                                                         if k not in ("scale_per_tensor", "update_clip")})
+    raise ValueError(method)
+
+
+class AllReduceCounter:
+    """Counts ``torch.distributed.all_reduce`` calls (what torch's Python hooks use) like hf_onebit does."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        from hf_onebit.comm import allreduce_bytes
+
+        self.dist, self.allreduce_bytes = dist, allreduce_bytes
+        self.world = dist.get_world_size()
+        self.bytes = 0
+        self.rounds = 0
+        self._orig = None
+
+    def __enter__(self):
+        self._orig = orig = self.dist.all_reduce
+
+        def counted(tensor, *a, **k):
+            self.bytes += self.allreduce_bytes(tensor.numel() * tensor.element_size(), self.world)
+            self.rounds += 1
+            return orig(tensor, *a, **k)
+
+        self.dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.dist.all_reduce = self._orig
+
+    def read(self) -> tuple[int, int]:
+        return self.bytes, self.rounds
+
+
+class BuiltinAllReduceCount:
+    """DDP's C++ reducer: ``2(n-1)/n · bytes of the gradients`` and one round per bucket per step."""
+
+    def __init__(self, ddp, params) -> None:
+        import torch.distributed as dist
+
+        from hf_onebit.comm import allreduce_bytes
+
+        self.ddp = ddp
+        self.per_step = allreduce_bytes(sum(p.numel() * p.element_size() for p in params), dist.get_world_size())
+        self.bytes = 0
+        self.rounds = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def after_step(self) -> None:
+        data = self.ddp._get_ddp_logging_data()
+        self.bytes += self.per_step
+        self.rounds += int(data.get("num_buckets_reduced", 1) or 1)
+
+    def read(self) -> tuple[int, int]:
+        return self.bytes, self.rounds
+
+
+class OneBitCount:
+    def __init__(self, opt) -> None:
+        self.opt = opt
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def read(self) -> tuple[int, int]:
+        s = self.opt.comm_stats.snapshot()
+        return s.bytes_sent, s.rounds
+
+
+def measure_compute(model_fn, batches, args) -> float:
+    """Median seconds of a step without any communication (ddp.no_sync(), AdamW), all ranks busy."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = model_fn()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    times = []
+    for batch in batches[:4]:
+        t0 = time.perf_counter()
+        with ddp.no_sync():
+            ddp(*batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def run_method(method: str, model_fn, batches, args) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = model_fn()
+    opt, ddp, counter = build_method(method, model, args)
+    records = []
+    with counter:
+        dist.barrier()
+        lo0 = _read_lo_tx() if rank == 0 else None
+        t0 = time.perf_counter()
+        for step, batch in enumerate(batches, start=1):
+            phase = opt.phase() if hasattr(opt, "phase") else ("warmup" if step <= _window_freeze(args) else "steady")
+            ta = time.perf_counter()
+            loss = ddp(*batch)
+            tb = time.perf_counter()
+            loss.backward()  # returns once DDP has every bucket's result (hook futures included)
+            tc = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if isinstance(counter, BuiltinAllReduceCount):
+                counter.after_step()
+            td = time.perf_counter()
+            t = td - t0
+            b, r = counter.read()
+            lo = _read_lo_tx() if rank == 0 else None
+            records.append({"t": t, "loss": float(loss.detach()), "bytes": b, "rounds": r, "phase": phase,
+                            "fwd": tb - ta, "bwd": tc - tb, "opt": td - tc,
+                            "lo": None if lo is None or lo0 is None else lo - lo0})
+            if rank == 0 and (step % 10 == 0 or step == len(batches)):
+                print(f"    {method:<13} step {step:3d}/{len(batches)}  loss {records[-1]['loss']:.3f}"
+                      f"  {t:6.1f} s", flush=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    if hasattr(opt, "onebit_stats"):
+        extra = opt.onebit_stats()
+    else:
+        extra = {}
+    del opt, ddp, model
+    gc.collect()
+    return {"records": gathered, "stats": extra}
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(args.threads)
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    if args.probe:
+        out = probe_link()
+        if rank == 0:
+            Path(args.worker_out).write_text(json.dumps({"probe": out}))
+        dist.destroy_process_group()
+        return
+    tok = load_tokenizer()
+    if args.model == "minilm":
+        train, _ = load_task(512)
+        batches = sentiment_batches(tok, train, args.steps, args.batch, rank, world, args.seed, args.seq)
+        n_examples = len(train)
+    else:
+        blocks, tok = make_blocks(args.seq)
+        batches = mlm_batches(blocks, args.steps, args.batch, rank, world, args.seed, tok.mask_token_id)
+        n_examples = int(blocks.shape[0])
+    vocab = len(tok)
+
+    def model_fn():
+        return build_model(args.model, vocab, args.seq, args.train_key_bias)
+
+    probe = model_fn()
+    n_params = sum(p.numel() for p in probe.parameters() if p.requires_grad)
+    n_total = sum(p.numel() for p in probe.parameters())
+    del probe
+
+    # Warm-up outside every timed window: numba kernels (JIT cache), gloo's all-to-all path.
+    from hf_onebit.comm import CompressedAllReduce
+
+    warm = CompressedAllReduce(4096)
+    for _ in range(2):
+        warm(torch.randn(4096))
+    dist.barrier()
+    compute = measure_compute(model_fn, batches, args)
+    out = {"params": n_params, "params_total": n_total, "examples": n_examples, "compute_s": compute, "methods": {}}
+    out["repeats"] = {}
+    for rep in range(args.repeats):  # round-robin: a slow spell of the machine hits every method
+        for method in args.methods:
+            if rank == 0:
+                print(f"  [{method}]" + (f" repeat {rep + 1}/{args.repeats}" if args.repeats > 1 else ""), flush=True)
+            res = run_method(method, model_fn, batches, args)
+            if rep == 0:
+                out["methods"][method] = res
+            else:
+                out["repeats"].setdefault(method, []).append(res)
+            dist.barrier()
+    if rank == 0:
+        Path(args.worker_out).write_text(json.dumps(out))
+    dist.destroy_process_group()

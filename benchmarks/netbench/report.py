@@ -1,0 +1,404 @@
+"""Summaries, tables, goals and plots of a benchmark run."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from netbench import LABELS, METHODS
+
+
+# ====================================================================== analysis
+def ema(values: list[float], beta: float = 0.8) -> list[float]:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else beta * acc + (1 - beta) * v
+        out.append(acc)
+    return out
+
+
+def summarize(raw: dict, args, world: int, target: float | None) -> dict:
+    """Per-method figures; with ``--repeats`` the timings are medians over the repeats."""
+    out = _summarize(raw["methods"], args, world, target)
+    extra = raw.get("repeats") or {}
+    if not extra:
+        return out
+    reps = [_summarize({m: runs[i] for m, runs in extra.items()}, args, world, out["target"])
+            for i in range(args.repeats - 1)]
+    for m, row in out["rows"].items():
+        for key in ("sps_compress", "sps_run", "step_s_compress", "run_s", "fwd_ms", "bwd_ms", "opt_ms"):
+            values = [row[key]] + [r["rows"][m][key] for r in reps if m in r["rows"]]
+            row[key + "_all"] = values
+            row[key] = statistics.median(values)
+    return out
+
+
+def _summarize(methods: dict, args, world: int, target: float | None) -> dict:
+    """Per-method figures from the per-step records of every rank (one repeat)."""
+    n = args.steps
+    first = min(_window_freeze(args) + 3, n)  # first step of the compression-phase window
+    gb = world * args.batch
+    rows = {}
+    for method, res in methods.items():
+        recs = res["records"]  # [rank][step]
+        t_end = [max(r[s]["t"] for r in recs) for s in range(n)]
+        loss = [statistics.fmean(r[s]["loss"] for r in recs) for s in range(n)]
+        smooth = ema(loss)
+        win_steps = n - first + 1
+        t_before = [r[first - 2]["t"] if first >= 2 else 0.0 for r in recs]
+        win_time = max(r[n - 1]["t"] - tb for r, tb in zip(recs, t_before))
+        r0 = recs[0]
+        b_before = r0[first - 2]["bytes"] if first >= 2 else 0
+        rd_before = r0[first - 2]["rounds"] if first >= 2 else 0
+        lo_before = r0[first - 2]["lo"] if first >= 2 else 0
+        lo_end = r0[n - 1]["lo"]
+        row = {
+            "label": LABELS[method],
+            "sps_compress": gb * win_steps / win_time,
+            "sps_run": gb * n / t_end[-1],
+            "step_s_compress": win_time / win_steps,
+            "run_s": t_end[-1],
+            "bytes_compress": (r0[n - 1]["bytes"] - b_before) / win_steps,
+            "rounds_compress": (r0[n - 1]["rounds"] - rd_before) / win_steps,
+            "bytes_run": r0[n - 1]["bytes"] / n,
+            "rounds_run": r0[n - 1]["rounds"] / n,
+            "lo_compress": None if lo_end is None or lo_before is None else (lo_end - lo_before) / win_steps / world,
+            "lo_run": None if lo_end is None else lo_end / n / world,
+            "final_loss": smooth[-1],
+            # window means on rank 0: forward, backward incl. waiting for the exchange, optimizer step
+            "fwd_ms": 1e3 * statistics.fmean(r0[s]["fwd"] for s in range(first - 1, n)),
+            "bwd_ms": 1e3 * statistics.fmean(r0[s]["bwd"] for s in range(first - 1, n)),
+            "opt_ms": 1e3 * statistics.fmean(r0[s]["opt"] for s in range(first - 1, n)),
+            "loss": loss,
+            "t": t_end,
+            "phases": [r0[s]["phase"] for s in range(n)],
+        }
+        rows[method] = row
+    if target is None:
+        ref = rows.get("adamw") or next(iter(rows.values()))
+        target = ema(ref["loss"])[max(0, round(0.75 * n) - 1)]
+    for row in rows.values():
+        smooth = ema(row["loss"])
+        hit = next((s for s in range(n) if smooth[s] <= target), None)
+        row["steps_to_target"] = None if hit is None else hit + 1
+        row["time_to_target"] = None if hit is None else row["t"][hit]
+    return {"rows": rows, "target": target, "window": [first, n]}
+
+
+def fmt_bytes(b: float | None) -> str:
+    if b is None:
+        return "-"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= div:
+            return f"{b / div:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def report(results: dict) -> None:
+    """Tables and goals of a finished run (``--report-from``)."""
+    meta = results["meta"]
+    print(f"{meta['command']}\n{meta['machine']}, {meta['world_size']} ranks, {meta['date']}, model {meta.get('model')},"
+          f" {meta['steps']} steps, freeze {meta['freeze']}, repeats {meta.get('repeats', 1)}")
+    for entry in results["rates"]:
+        raw = {"compute_s": entry["compute_s"]}
+        print_table(entry["rate"], entry["summary"], raw,
+                    f"load avg before {entry['load_before']}, after {entry['load_after']}")
+        if "adamw" in entry["summary"]["rows"] and entry["bits_per_s"] is not None:
+            print(f"AdamW communication share at {entry['rate']} (vs its unthrottled step):"
+                  f" {100 * comm_share(results, entry):.0f}%")
+    cost_model_check(results)
+    print("\n=== goals of issue 6 (measured figures) ===")
+    for line in goals(results):
+        print(line)
+
+
+LOOPBACK_BITS_PER_S = 8.8e9  # gloo through an unthrottled namespace loopback: `--probe --rates unlimited`
+
+
+def cost_model_check(results: dict) -> None:
+    """Step time predicted by ``T(rate) = K + 8·n·B / rate`` against the measured one.
+
+    ``K = T(unlimited) - 8·n·B / 8.8 Gbit/s``: the method's compression-phase step on the
+    unthrottled loopback less its transfer at loopback speed (compute plus compression
+    overhead); ``B``: bytes sent per rank per step (counters); ``n·B``: every rank's bytes share
+    the one rate-limited loopback. Rounds x latency is left out: ~0.1 ms per round on loopback
+    (`--probe`), under 1 ms per step here; on a real network add rounds x RTT.
+    """
+    unl = next((r for r in results["rates"] if r["bits_per_s"] is None), None)
+    if unl is None:
+        return
+    n = results["meta"]["world_size"]
+    print("\n=== cost model check: predicted / measured compression-phase step (s) ===")
+    finite = [r for r in results["rates"] if r["bits_per_s"]]
+    print(f"{'method':<24} {'K':>7} " + " ".join(f"{r['rate']:>17}" for r in finite))
+    for m, row in unl["summary"]["rows"].items():
+        cells = []
+        for r in finite:
+            meas = r["summary"]["rows"].get(m)
+            if meas is None:
+                cells.append(f"{'-':>17}")
+                continue
+            k = row["step_s_compress"] - 8 * n * row["bytes_compress"] / LOOPBACK_BITS_PER_S
+            pred = k + 8 * n * meas["bytes_compress"] / r["bits_per_s"]
+            cells.append(f"{pred:6.2f}/{meas['step_s_compress']:5.2f} {pred / meas['step_s_compress']:4.2f}")
+        k = row["step_s_compress"] - 8 * n * row["bytes_compress"] / LOOPBACK_BITS_PER_S
+        print(f"{row['label']:<24} {k:7.3f} " + " ".join(cells))
+    print("(each cell: predicted/measured ratio; > 1: the model overestimates, e.g. because DDP overlaps"
+          " the exchange with backward)")
+
+
+def print_table(rate: str, summary: dict, raw: dict, note: str) -> None:
+    rows = summary["rows"]
+    base = rows.get("adamw")
+    first, n = summary["window"]
+    print(f"\n=== {rate}  ({note}) ===")
+    print(f"compression-phase window: steps {first}..{n}; target loss {summary['target']:.3f} (smoothed);"
+          f" compute-only step {raw['compute_s'] * 1e3:.0f} ms")
+    if base:
+        share = 1 - raw["compute_s"] / base["step_s_compress"]
+        print(f"AdamW step {base['step_s_compress']:.2f} s -> communication share ~{100 * share:.0f}% (1 - compute-only step / AdamW step)")
+    hdr = (f"{'method':<24} {'samples/s':>9} {'xAdamW':>7} {'run s/s':>8} {'xAdamW':>7} {'B/step':>10}"
+           f" {'fewer':>7} {'rounds':>6} {'run B/step':>10} {'run rnd':>7} {'lo B/step':>10}"
+           f" {'t->target':>9} {'xAdamW':>7} {'loss':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows.values():
+        x = lambda a, b: f"{a / b:.2f}" if a and b else "-"
+        ttt = f"{r['time_to_target']:.1f}" if r["time_to_target"] is not None else "never"
+        speed_ttt = "-"
+        if base and r["time_to_target"] is not None and base["time_to_target"] is not None:
+            speed_ttt = f"{base['time_to_target'] / r['time_to_target']:.2f}"
+        print(f"{r['label']:<24} {r['sps_compress']:>9.1f} {x(r['sps_compress'], base['sps_compress']) if base else '-':>7}"
+              f" {r['sps_run']:>8.1f} {x(r['sps_run'], base['sps_run']) if base else '-':>7}"
+              f" {fmt_bytes(r['bytes_compress']):>10} {x(base['bytes_compress'], r['bytes_compress']) if base else '-':>7}"
+              f" {r['rounds_compress']:>6.1f} {fmt_bytes(r['bytes_run']):>10} {r['rounds_run']:>7.1f}"
+              f" {fmt_bytes(r['lo_compress']):>10} {ttt:>9} {speed_ttt:>7} {r['final_loss']:>6.3f}")
+    print("time per step in the window (rank 0, ms): forward | backward incl. waiting for the exchange |"
+          " optimizer step (0/1 Adam: incl. its sync)")
+    for r in rows.values():
+        print(f"  {r['label']:<24} {r['fwd_ms']:7.0f} | {r['bwd_ms']:7.0f} | {r['opt_ms']:7.0f}"
+              f"   (step {1e3 * r['step_s_compress']:.0f})")
+    print("columns: samples/s = compression-phase window; run s/s = whole run; B/step and rounds = sent per rank"
+          " per step in the window (counters); fewer = AdamW's B/step / this; run B/step, run rnd = whole-run"
+          " means; lo B/step = measured on the namespace's loopback per rank (window, headers included);"
+          " t->target = seconds to the target loss, xAdamW = AdamW's time / this (higher is faster)")
+
+
+def comm_share(results: dict, entry: dict) -> float:
+    """Share of AdamW's step spent on the throttled link at this rate.
+
+    ``1 - AdamW step on the unthrottled loopback / AdamW step at this rate`` when the same run has
+    an unlimited rate (robust: both are AdamW steps, measured the same way), else
+    ``1 - compute-only step / AdamW step`` (the compute-only step is a 3-step sample at the
+    start of each rate and suffers from machine load more).
+    """
+    step = entry["summary"]["rows"]["adamw"]["step_s_compress"]
+    unl = [r for r in results["rates"] if r["bits_per_s"] is None and "adamw" in r["summary"]["rows"]]
+    if entry["bits_per_s"] is not None and unl:
+        return 1 - unl[0]["summary"]["rows"]["adamw"]["step_s_compress"] / step
+    return 1 - entry["compute_s"] / step
+
+
+def goals(results: dict) -> list[str]:
+    """The issue's goals, evaluated on the measured figures (met or not)."""
+    out = []
+    rates = [r for r in results["rates"] if r["summary"]["rows"].get("adamw")]
+    fmt = lambda ok: "MET " if ok else "MISSED"
+    for r in rates:
+        rows = r["summary"]["rows"]
+        base = rows["adamw"]
+        share = comm_share(results, r)
+        tag = f"[{r['rate']}, AdamW comm share {100 * share:.0f}%]"
+        ob = rows.get("onebit_adam")
+        if ob:
+            x = ob["sps_compress"] / base["sps_compress"]
+            if share >= 0.75:
+                out.append(f"{fmt(x >= 3)} 1-bit Adam >= 3x AdamW samples/s (compression phase): {x:.2f}x {tag}")
+            ps = rows.get("powersgd")
+            if ps and share >= 0.75:
+                y = ob["sps_compress"] / ps["sps_compress"]
+                out.append(f"{fmt(y >= 0.95)} 1-bit Adam >= 0.95x PowerSGD samples/s (compression phase): {y:.2f}x {tag}")
+            zo = rows.get("zeroone_adam")
+            if zo and share >= 0.75:
+                z = zo["sps_run"] / ob["sps_run"]
+                out.append(f"{fmt(z >= 1.5)} 0/1 Adam >= 1.5x 1-bit Adam samples/s over the whole run: {z:.2f}x {tag}")
+        if r["bits_per_s"] is None:
+            for m, row in rows.items():
+                if m == "adamw":
+                    continue
+                a = row["sps_compress"] / base["sps_compress"]
+                b = row["sps_run"] / base["sps_run"]
+                out.append(f"{fmt(min(a, b) >= 0.95)} unlimited: {row['label']} >= 0.95x AdamW samples/s:"
+                           f" {a:.2f}x compression phase, {b:.2f}x whole run")
+    if rates:
+        rows = rates[0]["summary"]["rows"]
+        base = rows["adamw"]
+        for m in ("onebit_adam", "onebit_lamb", "zeroone_adam", "binsgdm"):
+            if m in rows and rows[m]["bytes_compress"]:
+                f = base["bytes_compress"] / rows[m]["bytes_compress"] if rows[m]["bytes_compress"] else math.inf
+                out.append(f"{fmt(f >= 25)} {LABELS[m]}: >= 25x fewer bytes/step than AdamW in the compression phase:"
+                           f" {f:.1f}x")
+        ob, zo = rows.get("onebit_adam"), rows.get("zeroone_adam")
+        if ob and zo:
+            fb = 1 - zo["bytes_run"] / ob["bytes_run"]
+            fr = 1 - zo["rounds_run"] / ob["rounds_run"]
+            out.append(f"{fmt(fb >= 0.8)} 0/1 Adam >= 80% fewer bytes than 1-bit Adam over the whole run: {100 * fb:.0f}%")
+            out.append(f"{fmt(fr >= 0.5)} 0/1 Adam >= 50% fewer rounds than 1-bit Adam over the whole run: {100 * fr:.0f}%")
+    return out
+
+
+# ====================================================================== plots
+def footer(fig, text: str) -> None:
+    fig.text(0.01, 0.01, text, fontsize=7, color="0.3", ha="left", va="bottom", wrap=True)
+
+
+def save_plot(fig, how: str, path: Path, bottom: float = 0.05) -> Path:
+    """Add the how-it-was-made footer, lay out above it, write the PNG and free the figure."""
+    import matplotlib.pyplot as plt
+
+    footer(fig, how)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+#: one colour per method in every plot (network.py and convergence.py)
+COLORS = dict(zip(METHODS, ["black", "tab:gray", "tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:red"]))
+
+
+def make_plots(results: dict, plot_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    meta = results["meta"]
+    loads = [x for r in results["rates"] for x in (r["load_before"][0], r["load_after"][0])]
+    how = (f"{meta['command']}  |  {meta['machine']}, {meta['world_size']} gloo ranks in one network namespace"
+           f" (tbf on lo), {meta['date']}, 1-min load average {min(loads):.1f}-{max(loads):.1f} (other jobs"
+           " shared the machine)")
+    rates = results["rates"]
+    methods = [m for m in METHODS if any(m in r["summary"]["rows"] for r in rates)]
+    colors = COLORS
+    markers = {m: mk for m, mk in zip(METHODS, "os^DvPX")}
+    paths = []
+
+    # 1. throughput vs bandwidth
+    finite = sorted({r["bits_per_s"] for r in rates if r["bits_per_s"]})
+    unl_x = (finite[-1] * 4) if finite else 1e9
+
+    def xpos(r):
+        return r["bits_per_s"] if r["bits_per_s"] else unl_x
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), sharey=True)
+    for ax, key, title in ((axes[0], "sps_compress", "compression phase"), (axes[1], "sps_run", "whole run")):
+        for m in methods:
+            pts = sorted((xpos(r), r["summary"]["rows"][m][key]) for r in rates if m in r["summary"]["rows"])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[m], color=colors[m], label=LABELS[m])
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([1, 2, 3, 5, 7, 10, 15, 20, 30, 50, 70, 100, 200]))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ticks = finite + ([unl_x] if any(r["bits_per_s"] is None for r in rates) else [])
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([r_label(x) if x != unl_x else "unlimited" for x in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("loopback rate (aggregate of all ranks)")
+        ax.set_title(f"samples/s, {title}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("samples / s (global batch)")
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"Throughput vs bandwidth: {model_title(results)}, {meta['world_size']} ranks,"
+                 f" {meta['steps']} steps, freeze {meta['freeze']}")
+    paths.append(save_plot(fig, how, plot_dir / "network_throughput.png"))
+
+    # 2. bytes per step
+    ref = rates[0]["summary"]["rows"]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    xs = range(len(methods))
+    w = 0.38
+    comp = [ref[m]["bytes_compress"] if m in ref else 0 for m in methods]
+    run = [ref[m]["bytes_run"] if m in ref else 0 for m in methods]
+    b1 = ax.bar([x - w / 2 for x in xs], comp, w, label="compression phase (mean per step)", color="tab:blue")
+    b2 = ax.bar([x + w / 2 for x in xs], run, w, label="whole run (mean per step)", color="tab:gray")
+    for bars in (b1, b2):
+        for b in bars:
+            if b.get_height() > 0:
+                ax.text(b.get_x() + b.get_width() / 2, b.get_height() * 1.1, fmt_bytes(b.get_height()),
+                        ha="center", fontsize=7, rotation=90)
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(run + comp) * 20)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([LABELS[m] for m in methods], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("bytes sent per rank per step")
+    ax.set_title("Bytes on the wire per step (counters; hf_onebit/comm/stats.py accounting)")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    paths.append(save_plot(fig, how, plot_dir / "network_bytes.png"))
+
+    # 3. loss vs wall time at the slowest and fastest rate; loss vs step
+    shown = [min((r for r in rates if r["bits_per_s"]), key=lambda r: r["bits_per_s"], default=None),
+             next((r for r in rates if r["bits_per_s"] is None), None)]
+    shown = [r for r in shown if r is not None] or rates[:1]
+    ref_loss = ema((shown[0]["summary"]["rows"].get("adamw") or next(iter(shown[0]["summary"]["rows"].values())))["loss"])
+    span = max(ref_loss) - min(ref_loss)
+    ylim = (min(ref_loss) - 0.5 * span, max(ref_loss) + 0.8 * span)  # divergent curves leave the frame
+    fig, axes = plt.subplots(1, len(shown) + 1, figsize=(6 * (len(shown) + 1), 5))
+    for ax, r in zip(axes, shown):
+        for m in methods:
+            row = r["summary"]["rows"].get(m)
+            if row:
+                ax.plot(row["t"], ema(row["loss"]), color=colors[m], label=LABELS[m])
+        ax.axhline(r["summary"]["target"], color="0.5", ls=":", lw=1)
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("training loss (EMA 0.8, mean of ranks)")
+        ax.set_ylim(*ylim)
+        ax.set_title(f"loss vs wall time at {r['rate']}")
+        ax.grid(True, alpha=0.3)
+    ax = axes[-1]
+    r = shown[0]
+    for m in methods:
+        row = r["summary"]["rows"].get(m)
+        if row:
+            ax.plot(range(1, len(row["loss"]) + 1), ema(row["loss"]), color=colors[m], label=LABELS[m])
+    if isinstance(meta["freeze"], int):  # "auto": each method chose its own step (see the log)
+        ax.axvline(meta["freeze"] + 0.5, color="0.5", ls="--", lw=1)
+    ax.set_ylim(*ylim)
+    ax.set_xlabel("step (dashed: end of warmup/freeze)")
+    ax.set_title("loss vs step (same at every rate)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"Training loss of each method, {model_title(results)} (dotted line: target loss;"
+                 " curves that leave the frame diverged)")
+    paths.append(save_plot(fig, how, plot_dir / "network_loss.png"))
+    return paths
+
+
+def model_title(results: dict) -> str:
+    m = results["meta"].get("model", "scratch")
+    n = results["params"] / 1e6
+    if m == "minilm":
+        return f"all-MiniLM-L6-v2 sentiment fine-tuning ({n:.1f}M trainable params)"
+    return f"BERT from a config, MLM ({n:.1f}M params)"
+
+
+def r_label(bits: float) -> str:
+    for unit, div in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits >= div:
+            v = bits / div
+            return f"{v:g}{unit}"
+    return f"{bits:g}bit"
+
+
+def _window_freeze(args) -> int:
+    """The freeze step that the timing window starts from: under ``auto`` the latest it can be."""
+    if args.freeze != "auto":
+        return args.freeze
+    from hf_onebit.optim.freeze import AutoFreeze
+
+    return AutoFreeze.for_run(args.steps).max_step
