@@ -378,8 +378,15 @@ class OneBitOptimizer(torch.optim.Optimizer):
         attempts[attempt] = finite if seen is None else seen & finite
 
     def _noted(self, t: int, attempt: int, result: torch.Tensor) -> torch.Tensor:
-        """``result``, after recording whether it is finite (see :meth:`note_attempt`)."""
-        self.note_attempt(t, attempt, finite_flag(result))
+        """``result``, after recording whether it is finite (see :meth:`note_attempt`).
+
+        Only when a step can be skipped and retried: with a loss scaler, or with
+        ``check_finite=False`` (a loop that skips non-finite steps itself). Otherwise a
+        non-finite gradient stops the run in ``step()`` and no repeat can follow, so the
+        ``aminmax`` pass over the bucket is not spent.
+        """
+        if self.grad_scale is not None or not self.check_finite:
+            self.note_attempt(t, attempt, finite_flag(result))
         return result
 
     def _with_context(self, t: int, plan: Plan, job):
