@@ -315,3 +315,34 @@ def test_zeroone_local_steps_skip_together_under_a_loss_scaler():
     assert sync_iters
     for i in sync_iters:
         assert all(torch.equal(a, b) for a, b in zip(params0[i], params1[i]))
+
+
+def _manual_skip(rank, world_size):
+    """A loop without a loss scaler that skips non-finite steps itself (check_finite=False)."""
+    import hf_onebit
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, check_finite=False)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    hf_onebit.attach(ddp, opt)
+    skipped = []
+    for step in range(1, 8):
+        coeffs = fixed_grads(step, rank)
+        if step == 4 and rank == 1:
+            coeffs[3][5] = float("inf")
+        ddp(coeffs).backward()
+        if all(bool(p.grad.isfinite().all()) for p in model.parameters()):
+            opt.step()
+        else:
+            skipped.append(step)
+        opt.zero_grad(set_to_none=True)
+    return skipped, opt.steps_done, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_loop_that_skips_a_non_finite_step_may_run_the_hook_again_for_it():
+    outs = run_distributed(_manual_skip, 2)
+    for skipped, steps_done, _ in outs:
+        assert skipped == [4]  # every rank saw the non-finite result and skipped together
+        assert steps_done == 6  # the hook ran again for step 4 (attempt 2) and training went on
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][2], outs[1][2]))
