@@ -51,12 +51,12 @@ class KernelBackend(Protocol):
 OPERATIONS = tuple(name for name in vars(KernelBackend) if not name.startswith("_"))
 
 
-def _written(t: torch.Tensor, name: str, dtype: torch.dtype, numel: int | None = None) -> None:
-    """A tensor the kernels write in place: this dtype, contiguous, and (if given) this size."""
+def require(t: torch.Tensor, name: str, dtype: torch.dtype, numel: int | None = None) -> None:
+    """A tensor the kernels write or index in place: this dtype, contiguous, and (if given) this size."""
     if t.dtype != dtype:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
     if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (it is written in place)")
+        raise ValueError(f"{name} must be contiguous (it is written or indexed in place)")
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{name} must hold {numel} elements, got {t.numel()}")
 
@@ -64,7 +64,7 @@ def _written(t: torch.Tensor, name: str, dtype: torch.dtype, numel: int | None =
 def check_worker(x: torch.Tensor, error: torch.Tensor, bits_out: torch.Tensor | None = None) -> int:
     """The worker side: ``error`` fp32 of the padded length ``L`` (a multiple of 8), ``x`` a float
     tensor of at most ``L`` elements, ``bits_out`` uint8 of ``L/8`` bytes. Returns ``L``."""
-    _written(error, "error", torch.float32)
+    require(error, "error", torch.float32)
     length = error.numel()
     if length % 8:
         raise ValueError(f"error length must be a multiple of 8, got {length}")
@@ -73,7 +73,7 @@ def check_worker(x: torch.Tensor, error: torch.Tensor, bits_out: torch.Tensor | 
     if x.numel() > length:
         raise ValueError(f"x has {x.numel()} elements, more than the padded length {length}")
     if bits_out is not None:
-        _written(bits_out, "bits_out", torch.uint8, length // 8)
+        require(bits_out, "bits_out", torch.uint8, length // 8)
     return length
 
 
@@ -101,9 +101,9 @@ def check_server(bits: torch.Tensor, scales: torch.Tensor | None, server_error: 
     """The server side: :func:`check_rows`, ``server_error`` fp32 of one row's ``C`` elements,
     ``bits_out`` uint8 of one row's bytes."""
     n, row_bytes = check_rows(bits, scales)
-    _written(server_error, "server_error", torch.float32, 8 * row_bytes)
+    require(server_error, "server_error", torch.float32, 8 * row_bytes)
     if bits_out is not None:
-        _written(bits_out, "bits_out", torch.uint8, row_bytes)
+        require(bits_out, "bits_out", torch.uint8, row_bytes)
     return n, row_bytes
 
 

@@ -508,10 +508,7 @@ def _input_view(x: torch.Tensor) -> np.ndarray:
 def _inplace_view(name: str, t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     """numpy view sharing memory with ``t``; refuses anything we could not write through."""
     _check_cpu(name, t)
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (it is written in place)")
+    contract.require(t, name, dtype)
     return t.detach().reshape(-1).numpy()
 
 

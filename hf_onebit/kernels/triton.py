@@ -434,15 +434,6 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _require(t: torch.Tensor, name: str, dtype: torch.dtype, numel: int | None = None) -> None:
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (it is written or indexed in place)")
-    if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
-
-
 def _same_device(*tensors: torch.Tensor) -> None:
     devices = {t.device for t in tensors}
     if len(devices) > 1:
@@ -467,9 +458,9 @@ def _check_rows(bits: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
     """``(n, row_bytes)`` of the ``(n, C // 8)`` bits matrix; validates ``scales``."""
     if bits.dim() != 2:
         raise ValueError(f"bits must have shape (n, C // 8), got {tuple(bits.shape)}")
-    _require(bits, "bits", torch.uint8)
+    contract.require(bits, "bits", torch.uint8)
     n, row_bytes = bits.shape
-    _require(scales, "scales", torch.float32, numel=n)
+    contract.require(scales, "scales", torch.float32, numel=n)
     if n == 0:
         raise ValueError("bits must have at least one row")
     return n, row_bytes
@@ -519,7 +510,7 @@ def worker_pack(
     _check_block(block)
     L = contract.check_worker(x, error, bits_out)
     scales = scales.reshape(-1)
-    _require(scales, "scales", torch.float32)
+    contract.require(scales, "scales", torch.float32)
     if bounds is not None:
         _same_device(x, error, scales, bits_out)
         _worker_pack_pieces(_flat_input(x, L), error, scales, rank, bits_out, bounds, block)
@@ -589,7 +580,7 @@ def server_scale(
     contract.check_server(bits, scales if bounds is None else None, server_error)
     if bounds is not None:
         n, row_bytes, scales, table = _piece_rows(bits, scales, bounds, block)
-        _require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
+        contract.require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
         _same_device(bits, scales, server_error)
         bnd, starts, pieces, _, counts, tiles = table
         partials = torch.empty(tiles, dtype=torch.float64, device=bits.device)
@@ -602,7 +593,7 @@ def server_scale(
             return _piece_rms(partials, table)
     scales = scales.reshape(-1)
     n, row_bytes = _check_rows(bits, scales)
-    _require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
+    contract.require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
     _same_device(bits, scales, server_error)
     C = row_bytes * 8
     if C == 0:
@@ -637,10 +628,10 @@ def server_pack(
     if bounds is not None:
         n, row_bytes, scales, table = _piece_rows(bits, scales, bounds, block)
         bnd, starts, pieces, _, counts, tiles = table
-        _require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
+        contract.require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
         scale = scale.reshape(-1)
-        _require(scale, "scale", torch.float32, numel=counts.numel())
-        _require(bits_out, "bits_out", torch.uint8, numel=row_bytes)
+        contract.require(scale, "scale", torch.float32, numel=counts.numel())
+        contract.require(bits_out, "bits_out", torch.uint8, numel=row_bytes)
         _same_device(bits, scales, server_error, scale, bits_out)
         if tiles:
             with _on_device(bits):
@@ -652,10 +643,10 @@ def server_pack(
         return
     scales = scales.reshape(-1)
     n, row_bytes = _check_rows(bits, scales)
-    _require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
+    contract.require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
     scale = scale.reshape(-1)
-    _require(scale, "scale", torch.float32, numel=1)
-    _require(bits_out, "bits_out", torch.uint8, numel=row_bytes)
+    contract.require(scale, "scale", torch.float32, numel=1)
+    contract.require(bits_out, "bits_out", torch.uint8, numel=row_bytes)
     _same_device(bits, scales, server_error, scale, bits_out)
     if row_bytes == 0:
         return
@@ -680,7 +671,7 @@ def unpack_scaled(
     contract.check_unpack(bits, scales if bounds is None else None, out)
     if bits.dim() != 2:
         raise ValueError(f"bits must have shape (n, C // 8), got {tuple(bits.shape)}")
-    _require(bits, "bits", torch.uint8)
+    contract.require(bits, "bits", torch.uint8)
     n, row_bytes = bits.shape
     scales = scales.reshape(-1)
     table = None
@@ -811,12 +802,12 @@ def _piece_rows(bits: torch.Tensor, scales: torch.Tensor, bounds, block: int) ->
     """Checks for the server piece variants: ``(n, row_bytes, scales (n, P), table)``."""
     if bits.dim() != 2:
         raise ValueError(f"bits must have shape (n, C // 8), got {tuple(bits.shape)}")
-    _require(bits, "bits", torch.uint8)
+    contract.require(bits, "bits", torch.uint8)
     n, row_bytes = bits.shape
     if n == 0:
         raise ValueError("bits must have at least one row")
     table = _tables(bounds, row_bytes * 8, block, bits.device)
     P = table[4].numel()
     scales = scales.reshape(-1)
-    _require(scales, "scales", torch.float32, numel=n * P)
+    contract.require(scales, "scales", torch.float32, numel=n * P)
     return n, row_bytes, scales, table
