@@ -39,22 +39,25 @@ def is_distributed_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(w in text for w in _NETWORK_WORDS)
 
 
-def with_failure_context(job: Callable[[], Any], where: str) -> Callable[[], Any]:
-    """``job`` whose failure names ``where`` (rank, step, plan) and what to suspect."""
+def with_failure_context(job: Callable[[], Any], where: Callable[[], str]) -> Callable[[], Any]:
+    """``job`` whose failure names ``where()`` (rank, step, plan) and what to suspect.
+
+    ``where`` is called only on a failure: nothing is formatted on the hot path."""
 
     def run():
         try:
             return job()
         except Exception as exc:  # noqa: BLE001 - re-raised with context
+            place = where()
             if not is_distributed_failure(exc):  # blame a peer only for what a peer can cause
                 raise LocalFailure(
-                    f"{where}: the communication job failed on this rank: {type(exc).__name__}: {exc}."
+                    f"{place}: the communication job failed on this rank: {type(exc).__name__}: {exc}."
                     " This is not a network error: the kernels, memory or the inputs failed here (the other"
                     f" ranks will then time out waiting for this one). Set {KERNELS_ENV}=reference to rule"
                     " out the compiled kernels; `hf-onebit check` tests them."
                 ) from exc
             raise CommunicationError(
-                f"{where}: a collective failed: {exc}. Another rank has"
+                f"{place}: a collective failed: {exc}. Another rank has"
                 " probably died or stalled beyond the process group's timeout"
                 " (init_process_group(timeout=...)); stop all ranks and resume from the last checkpoint."
             ) from exc

@@ -391,8 +391,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     def _with_context(self, t: int, plan: Plan, job):
         """Wrap a communication job so a failure says where it happened and what to suspect."""
-        where = f"hf_onebit {type(self).__name__}: rank {self.rank} of {self.world_size}, step {t} (plan {plan.value})"
-        return with_failure_context(job, where)
+        return with_failure_context(
+            job, lambda: f"hf_onebit {type(self).__name__}: rank {self.rank} of {self.world_size}, step {t} (plan {plan.value})")
 
     def compress_segment_async(self, seg: Segment, plan: Plan) -> torch.futures.Future:
         """Compressed all-reduce of ``seg.work`` in place, ordered after the hook's jobs (for
