@@ -317,15 +317,18 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                     st["lr_sum"] = float(entry["lr_sum"])
 
     # ---------------------------------------------------------------- step
-    def _update(self, p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, wd: float) -> torch.Tensor:
-        """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``; ``p -= Δ``; returns Δ
-        (a workspace tensor, valid until the next update)."""
+    def _delta(self, p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, wd: float) -> torch.Tensor:
+        """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``: a workspace tensor,
+        valid until the next call here or to :meth:`_denominator` with a clip."""
         delta = torch.div(m, denom, out=self._workspace.get(1, m))
         if wd:
             delta.add_(p if p.dtype == torch.float32 else p.float(), alpha=wd)
-        delta.mul_(lr)
+        return delta.mul_(lr)
+
+    def _update(self, p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, wd: float) -> None:
+        """``p -= lr·(m/denom + wd·p)``."""
+        delta = self._delta(p, m, denom, lr, wd)
         update_in_fp32_(p, lambda w: w.sub_(delta))
-        return delta
 
     def _denominator(self, state: dict, group: dict, clip_by: torch.Tensor | None = None,
                      clip_scale: float = 1.0) -> torch.Tensor:
@@ -389,9 +392,17 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             m.mul_(beta1).add_(grad, alpha=1 - beta1)
             if "mask" in state:
                 m.mul_(state["mask"])
-            delta = self._update(p, m, self._denominator(state, group, m), group["lr"], group["weight_decay"])
+            lr, wd = group["lr"], group["weight_decay"]
+            delta = self._delta(p, m, self._denominator(state, group), lr, wd)
+            # u collects the unclipped step: at the sync u ⊙ (sqrt(v̂)+eps) is the momentum the
+            # ranks average and the next momentum starts from, so a clipped u would shrink the
+            # momentum itself wherever the clip binds, step after step. The clip bounds where this
+            # rank's parameters go between syncs (here) and where a sync lands (``_sync``).
             state["momentum_accumulator"].sub_(delta)
-            state["lr_sum"] += group["lr"]
+            if self.update_clip is not None:
+                delta = self._delta(p, m, self._denominator(state, group, m), lr, wd)
+            update_in_fp32_(p, lambda w: w.sub_(delta))
+            state["lr_sum"] += lr
         if plan is Plan.SYNC_AFTER_STEP:
             self._sync()
         self.local_counter += 1

@@ -50,8 +50,9 @@ class ZeroOneAdamSimulation:
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  auto_mask=True, bias_correction=False, scale_per_tensor=False, update_clip=None):
         self.n = n
-        # hf_onebit's option: steps that do not update v divide by max(sqrt(v̂), |m|/c) + eps, and a
-        # sync moves by ū/(max(sqrt(v̂), |ū|/(c·λ)) + eps)
+        # hf_onebit's option: steps that do not update v divide by max(sqrt(v̂), |m|/c) + eps (a
+        # local step's u still takes the unclipped step), and a sync moves by
+        # ū/(max(sqrt(v̂), |ū|/(c·λ)) + eps)
         self.clip = update_clip
         # hf_onebit's deviation (auto_mask): coordinates never non-zero on a variance step, or with
         # sqrt(v) < eps/100, keep zero momentum and zero synced update from the first compressing step
@@ -140,21 +141,19 @@ class ZeroOneAdamSimulation:
                 for comm in self.comm:
                     comm.worker_error = [np.zeros_like(e) for e in comm.worker_error]
                     comm.server_error = [np.zeros_like(e) for e in comm.server_error]
+                self.x = [[x.copy() for x in self.p[r]] for r in range(n)]  # the last synced point
             self._freeze_mask()
             for r in range(n):
                 for k in range(P):
                     self.m[r][k] = b1 * self.m[r][k] + (1 - b1) * grads[r][k]
                     self.m[r][k] = self.m[r][k] * self.mask[k]
-                    delta = lr * (self.m[r][k] / self._denom(k, self.m[r][k]) + wd * self.p[r][k])
-                    self.p[r][k] = self.p[r][k] - delta
-                    self.u[r][k] = self.u[r][k] - delta
+                    # u accumulates the unclipped step; the clip bounds only the local move
+                    self.u[r][k] = self.u[r][k] - lr * (self.m[r][k] / self._denom(k) + wd * self.p[r][k])
+                    self.p[r][k] = self.p[r][k] - lr * (self.m[r][k] / self._denom(k, self.m[r][k]) + wd * self.p[r][k])
                 self.lam[r] += lr
             kind = L
             if t % self.local_interval == 0:
                 kind = S
-                for r in range(n):
-                    for k in range(P):
-                        self.p[r][k] = self.p[r][k] - self.u[r][k]
                 ubar = self._compressed_allreduce(
                     [[self.u[r][k] * self._denom(k) for k in range(P)] for r in range(n)])
                 if n > 1:  # one process: the "compressed" all-reduce is exact, nothing to mask
@@ -162,9 +161,11 @@ class ZeroOneAdamSimulation:
                 for r in range(n):
                     for k in range(P):
                         self.m[r][k] = -ubar[k] / self.lam[r]
-                        # one process: the exchange is exact and hf_onebit skips the round trip
-                        clip_by = ubar[k] if n > 1 else None
-                        self.p[r][k] = self.p[r][k] + ubar[k] / self._denom(k, clip_by, self.lam[r])
+                        # one process: the exchange is exact and hf_onebit skips the round trip,
+                        # leaving the parameters where the local steps took them
+                        if n > 1:
+                            self.p[r][k] = self.x[r][k] + ubar[k] / self._denom(k, ubar[k], self.lam[r])
+                            self.x[r][k] = self.p[r][k].copy()
                         self.u[r][k] = np.zeros_like(self.u[r][k])
                     self.lam[r] = 0.0
             self.local_counter += 1
