@@ -70,19 +70,21 @@ def test_a_failed_rank_stops_the_others_with_a_clear_error(case, mode):
 def test_a_local_failure_in_a_communication_job_does_not_blame_a_peer():
     """A kernel or memory error on this rank is reported as local, with the kernel way out."""
     from hf_onebit.comm.failures import CommunicationError, LocalFailure
+    from hf_onebit.hook import OneBitHookState
     from hf_onebit.optim.base import Plan
 
     opt = build_optimizer("OneBitAdam", FixedGradModel().parameters(), dict(lr=1e-2, freeze_step=2))
+    link = OneBitHookState(opt)
 
     def out_of_memory():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     with pytest.raises(LocalFailure, match=r"not a network error.*HF_ONEBIT_KERNELS=reference") as got:
-        opt._with_context(7, Plan.COMPRESS_MOMENTUM, out_of_memory)()
+        link._with_context(7, Plan.COMPRESS_MOMENTUM, out_of_memory)()
     assert "probably died" not in str(got.value)
 
     def peer_gone():
         raise RuntimeError("[/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
 
     with pytest.raises(CommunicationError, match="Another rank has probably died"):
-        opt._with_context(7, Plan.COMPRESS_MOMENTUM, peer_gone)()
+        link._with_context(7, Plan.COMPRESS_MOMENTUM, peer_gone)()

@@ -72,15 +72,15 @@ def _accumulation(rank, world_size, misuse, scaler=False):
     opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
     ddp = DDP(model, bucket_cap_mb=0.01)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
-    hf_onebit.attach(ddp, opt, grad_scaler=grad_scaler)
+    link = hf_onebit.attach(ddp, opt, grad_scaler=grad_scaler)
     calls = []
-    original = opt.reduce_bucket
+    original = link.reduce
 
     def counting(*args, **kwargs):
         calls.append(opt.steps_done + 1)
         return original(*args, **kwargs)
 
-    opt.reduce_bucket = counting
+    link.reduce = counting
     for step in range(1, 6):
         micro = [fixed_grads(10 * step + k, rank) for k in range(3)]
         for k, coeffs in enumerate(micro):

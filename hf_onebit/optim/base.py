@@ -1,29 +1,8 @@
-"""What the four optimizers share: the step plan, compression segments, per-rank state, stats.
+"""What the four optimizers share: the step plan, counters, compression segments, state.
 
-The contract between an optimizer and the DDP communication hook (:mod:`hf_onebit.hook`)
----------------------------------------------------------------------------------------
-Before backward runs, the optimizer's counters already decide what the coming step needs from
-the network: its :meth:`OneBitOptimizer.plan`. DDP calls the hook once per gradient bucket
-while backward still runs; the hook hands the bucket to :meth:`OneBitOptimizer.reduce_bucket`,
-which executes the plan through :mod:`hf_onebit.comm` and returns a future of the tensor DDP
-writes into ``.grad``:
-
-================== ============================================ ===============================
-plan               communicated (in the hook, during backward)  ``.grad`` after the hook
-================== ============================================ ===============================
-ALLREDUCE          mean of the gradient, full precision         averaged gradient
-COMPRESS_MOMENTUM  local momentum ``β1·m + (1-β1)·g_i``, 1 bit  averaged momentum (synced)
-COMPRESS_GRADIENT  gradient, 1 bit with error feedback          averaged gradient (1-bit)
-LOCAL              nothing                                      local gradient of this rank
-SYNC_AFTER_STEP    nothing in the hook; ``step()`` syncs        local gradient of this rank
-VOTE               stochastic signs, 1 bit (BinSGDM)            mean of the signs
-================== ============================================ ===============================
-
-In every plan but LOCAL/SYNC_AFTER_STEP, ``.grad`` is bitwise identical on all ranks, so
-``clip_grad_norm_`` computes the same norm everywhere and scales the same values. What it
-scales differs by plan (documented in ``docs/algorithms.md``): in COMPRESS_MOMENTUM it is the
-momentum, which ``step()`` takes as the new momentum.
-
+An optimizer's :meth:`OneBitOptimizer.plan` says what the coming step needs from the network;
+the DDP communication hook (:mod:`hf_onebit.hook`, whose docstring has the table of plans)
+carries it out during backward and is the optimizer's one way to the network (its ``link``).
 Compression segments (error state per group of parameters) are kept by a
 :class:`~hf_onebit.comm.segments.SegmentRegistry`; its module explains why they exist.
 """
@@ -38,9 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce, MeanAllReduce, executor_for
-from hf_onebit.comm.allreduce import finite_flag, poison_unless_all_finite_
-from hf_onebit.comm.failures import with_failure_context
+from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce
 from hf_onebit.comm.segments import Segment, SegmentRegistry
 from hf_onebit.optim.workspace import Workspace
 
@@ -75,23 +52,11 @@ def logical(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _completed(value: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
 def _looks_like_adam(state_dict: dict) -> bool:
     """A ``torch.optim.Adam``/``AdamW`` state_dict (and not one of ours)."""
     states = list(state_dict.get("state", {}).values())
     adam_keys = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
     return bool(states) and all({"step", "exp_avg", "exp_avg_sq"} <= set(s) <= adam_keys for s in states)
-
-
-def _failed(exc: BaseException) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_exception(exc)
-    return fut
 
 
 def check_betas(betas: Sequence[float], name: str = "betas") -> None:
@@ -176,17 +141,12 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 if p.is_sparse:
                     raise ValueError("hf_onebit optimizers do not support sparse parameters")
         self.comm_stats = CommStats()
-        self.process_group: dist.ProcessGroup | None = None  # set by hf_onebit.attach (None: not attached)
-        self.grad_scale: Callable[[], torch.Tensor | None] | None = None
+        #: The hook state (:class:`hf_onebit.hook.OneBitHookState`) set by ``hf_onebit.attach``:
+        #: this optimizer's one way to the network (``None``: not attached).
+        self.link = None
         self._workspace = Workspace()  # the step's temporaries (see workspace.py)
         self.steps_done = 0  # optimizer steps completed (t of the last step)
         self.segments = SegmentRegistry(self._new_compressor)  # error state per group of parameters
-        self._bucket_calls: dict[tuple[int, ...], int] = {}  # bucket -> step t of its last hook call
-        self._attempts: dict[tuple[int, ...], int] = {}  # bucket -> attempt number of that call at t
-        # step t -> attempt -> 0-dim device bool: every bucket result of that attempt was finite
-        self._attempt_finite: dict[int, dict[int, torch.Tensor]] = {}
-        self._layout_step: int | None = None  # step t whose buckets the hook saw (it communicated for t)
-        self._layout: list[tuple[int, ...]] = []
         self._last_phase: str | None = None
         self._stats_at_last_step = CommRecord()
         self.last_step_comm = CommRecord()
@@ -260,6 +220,16 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- helpers
     @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The attached DDP model's process group (``None``: not attached, the default group)."""
+        return self.link.process_group if self.link is not None else None
+
+    @property
+    def scaled(self) -> bool:
+        """Whether a loss scaler is attached: it skips non-finite steps, so they may be retried."""
+        return self.link is not None and self.link.scaled
+
+    @property
     def world_size(self) -> int:
         if not dist.is_initialized():
             return 1
@@ -271,6 +241,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     def params_in_order(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
+
+    def indices(self, params: list[torch.Tensor]) -> tuple[int, ...]:
+        """The optimizer-order indices of ``params`` (a bucket's key)."""
+        index = self._index_of()
+        return tuple(index[id(p)] for p in params)
 
     def _index_of(self) -> dict[int, int]:
         if self._index_cache is None:  # reset by add_param_group and load_state_dict
@@ -303,148 +278,22 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """The compressed all-reduce of a new segment over the parameters ``key``."""
         params = self.params_in_order()
         numel = sum(params[i].numel() for i in key)
-        piece_sizes = [params[i].numel() for i in key] if getattr(self, "scale_per_tensor", False) else None
-        return CompressedAllReduce(
-            numel, device=device, group=self.process_group, stats=self.comm_stats,
-            deferred_commit=self.grad_scale is not None,  # a loss scaler may skip the step
-            piece_sizes=piece_sizes,
-        )
+        piece_sizes = [params[i].numel() for i in key] if self.scale_per_tensor else None
+        return self.link.new_compressor(numel, device, piece_sizes)
 
     def segments_covering_all(self, device: torch.device, cap_numel: int = 25 * 2**20 // 4) -> list[Segment]:
         """Segments covering every parameter (for communication in ``step()``, e.g. 0/1 Adam)."""
         return self.segments.covering_all([p.numel() for p in self.params_in_order()], device, cap_numel)
 
-    # ---------------------------------------------------------------- the hook's entry point
-    def reduce_bucket(self, params: list[torch.Tensor], buffer: torch.Tensor, grads: list[torch.Tensor]) -> torch.futures.Future:
-        """Run this step's plan on one DDP bucket; the future's value becomes the bucket's grads.
-
-        Called by :func:`hf_onebit.hook.onebit_hook` while backward runs.
-        """
-        t = self.steps_done + 1
-        plan = self.plan()
-        index = self._index_of()
-        key = tuple(index[id(p)] for p in params)
-        if self._bucket_calls.get(key) == t and plan is not Plan.ALLREDUCE:
-            # One rule for repeats: the hook may run again for step t only when the previous
-            # attempt's result was non-finite (a loss scaler, or the loop, skipped the step; the
-            # skipped attempt's deferred error buffers were never committed). Anything else is
-            # gradient accumulation without no_sync(), which would compress twice.
-            if not self._previous_attempt_failed(key, t):
-                # Fail through the future: an exception raised inside a DDP hook kills the process.
-                return _failed(RuntimeError(
-                    "hf_onebit: the communication hook ran twice for the same bucket before optimizer.step()."
-                    " For gradient accumulation wrap the non-final micro-batches in `ddp.no_sync()` (Accelerate:"
-                    " `accelerator.accumulate(model)`, HF Trainer: --gradient_accumulation_steps), so the hook"
-                    " fires once per optimizer step."
-                ))
-            self._attempts[key] += 1
-        else:
-            self._attempts[key] = 0
-        attempt = self._attempts[key]
-        self._bucket_calls[key] = t
-        if self._layout_step != t:  # remember this step's bucket layout (saved per rank)
-            self._layout_step, self._layout = t, []
-        self._layout.append(key)
-        executor = executor_for(self.process_group, buffer.device)
-        if plan in (Plan.LOCAL, Plan.SYNC_AFTER_STEP):
-            if self.grad_scale is None:
-                return _completed(buffer)
-            # With a loss scaler, ranks must skip a step together (see poison_unless_all_finite_).
-            return executor.submit(lambda: self._noted(t, attempt, poison_unless_all_finite_(
-                buffer, self.process_group, self.comm_stats)))
-        if plan is Plan.ALLREDUCE:
-            mean = MeanAllReduce(self.process_group, self.comm_stats)
-            return executor.submit(self._with_context(t, plan, lambda: mean(buffer)))
-        if plan in self._SEGMENT_PLANS:
-            segments = self.segments.for_bucket(key, buffer.device)
-            scale_t = self.grad_scale() if self.grad_scale is not None else None
-            job = lambda: self._noted(t, attempt, self._compress_bucket(plan, segments, params, buffer, grads, scale_t))  # noqa: E731
-            return executor.submit(self._with_context(t, plan, job))
-        return self.reduce_bucket_custom(plan, key, params, buffer, grads)
-
-    def _previous_attempt_failed(self, key: tuple[int, ...], t: int) -> bool:
-        """Whether the last attempt at step ``t`` gave a non-finite result for some bucket.
-
-        Reads a device flag on the host, but only here: when the hook runs again for a step
-        (a skipped step, or a misuse), never in the steady state.
-        """
-        finite = self._attempt_finite.get(t, {}).get(self._attempts.get(key, 0))
-        return finite is not None and not bool(finite)
-
-    def note_attempt(self, t: int, attempt: int, finite: torch.Tensor) -> None:
-        """Record, on the device, whether a bucket result of ``attempt`` at step ``t`` was finite."""
-        attempts = self._attempt_finite.setdefault(t, {})
-        seen = attempts.get(attempt)
-        attempts[attempt] = finite if seen is None else seen & finite
-
-    def _noted(self, t: int, attempt: int, result: torch.Tensor) -> torch.Tensor:
-        """``result``, after recording whether it is finite (see :meth:`note_attempt`).
-
-        Only when a step can be skipped and retried: with a loss scaler, or with
-        ``check_finite=False`` (a loop that skips non-finite steps itself). Otherwise a
-        non-finite gradient stops the run in ``step()`` and no repeat can follow, so the
-        ``aminmax`` pass over the bucket is not spent.
-        """
-        if self.grad_scale is not None or not self.check_finite:
-            self.note_attempt(t, attempt, finite_flag(result))
-        return result
-
-    def _with_context(self, t: int, plan: Plan, job):
-        """Wrap a communication job so a failure says where it happened and what to suspect."""
-        return with_failure_context(
-            job, lambda: f"hf_onebit {type(self).__name__}: rank {self.rank} of {self.world_size}, step {t} (plan {plan.value})")
-
-    def compress_segment_async(self, seg: Segment, plan: Plan) -> torch.futures.Future:
-        """Compressed all-reduce of ``seg.work`` in place, ordered after the hook's jobs (for
-        communication inside ``step()``, e.g. 0/1 Adam's sync)."""
-        job = self._with_context(self.steps_done + 1, plan, lambda: seg.comm(seg.work))
-        return executor_for(self.process_group, seg.device).submit(job)
-
-    def reduce_bucket_custom(self, plan, key, params, buffer, grads) -> torch.futures.Future:
-        raise NotImplementedError(f"{type(self).__name__} has no bucket handler for plan {plan.value}")
-
-    def _compress_bucket(self, plan, segments, params, buffer, grads, scale_t) -> torch.Tensor:
-        """Runs on the communication thread: prepare, compress and finish each segment.
-
-        ``scale_t`` (the loss scaler's 0-dim scale tensor, or ``None``) stays on the device: a
-        ``float()`` of it would stall the host until the GPU caught up, once per bucket. Its
-        reciprocal is taken in fp64, as Python's ``1.0 / float(scale)`` was, so the unscaled
-        values are bitwise those of a host-side scale.
-        """
-        inv = None if scale_t is None else torch.reciprocal(scale_t.to(torch.float64))
-        position = {id(p): k for k, p in enumerate(params)}
-        all_params = self.params_in_order()
-        seg0 = segments[0]
-        # In place only when every gradient is contiguous: DDP lays a bucket out in each
-        # parameter's memory order (channels_last, transposed views), while optimizer state and
-        # compression work in logical order; other buckets go through the segment's work buffer.
-        in_place = (
-            len(segments) == 1 and buffer.dtype == torch.float32 and seg0.numel == buffer.numel()
-            and all(g.is_contiguous() for g in grads)
-            and len(seg0.key) == len(params) and all(all_params[i] is p for i, p in zip(seg0.key, params))
-        )
-        if in_place:
-            # The bucket is the segment: prepare, compress and finish in the bucket's own buffer.
-            for p, g in zip(params, grads):
-                self.prepare_send(plan, p, g, g.reshape(-1), inv)
-            segments[0].comm(buffer)
-            for p, g in zip(params, grads):
-                self.finish_receive(plan, p, g.reshape(-1), g, scale_t)
-            return buffer
-        for seg in segments:
-            views = seg.views(all_params)
-            for p, view in views:
-                self.prepare_send(plan, p, grads[position[id(p)]], view, inv)
-            seg.comm(seg.work)
-            for p, view in views:
-                self.finish_receive(plan, p, view, grads[position[id(p)]], scale_t)
-        return buffer
+    def exchange_bucket(self, call, link) -> torch.futures.Future:
+        """A plan of this optimizer's own on one bucket (``call``: a
+        :class:`hf_onebit.hook.BucketCall`; ``link``: the hook state); BinSGDM's vote."""
+        raise NotImplementedError(f"{type(self).__name__} has no bucket handler for plan {call.plan.value}")
 
     # ---------------------------------------------------------------- after each step
     def _after_step(self) -> None:
         """Commit this step's error buffers, advance counters, record traffic, log phase changes."""
         self.segments.commit()
-        self._attempt_finite.pop(self.steps_done + 1, None)
         self.steps_done += 1
         total = self.comm_stats.snapshot()
         prev = self._stats_at_last_step
@@ -469,7 +318,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """Whether the hook communicated for step ``t``; raise if it should have and did not."""
         if self.world_size == 1:
             return False
-        if self._layout_step != t:
+        if self.link is None or self.link.layout_step != t:
             raise RuntimeError(
                 f"hf_onebit: {type(self).__name__}.step() runs on {self.world_size} ranks but the"
                 " communication hook did not run for this step. Call"
@@ -514,9 +363,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
         unexchanged gradients (ranks diverge; 1-bit Adam would even take a local gradient as its
         momentum), so stop here, before any optimizer state changes. Bookkeeping only, no sync.
         """
-        if self.process_group is None or self.world_size == 1:  # not attached: no hook to check
+        if self.link is None or self.world_size == 1:  # not attached: no hook to check
             return
-        covered = set().union(*self._layout) if self._layout_step == t else set()
+        covered = self.link.covered(t) or set()
         missed = [i for i, p in enumerate(self.params_in_order())
                   if p.grad is not None and p.requires_grad and i not in covered]
         if missed:
@@ -546,7 +395,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         already waits for its inf check); ``check_finite=False`` at construction skips it too,
         for a loop that checks its gradients itself.
         """
-        if self.grad_scale is not None or not self.check_finite:
+        if self.scaled or not self.check_finite:
             return
         grads = [p.grad for p in self.params_in_order() if p.grad is not None]
         if not grads:
@@ -662,7 +511,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
             # The last bucket layout DDP used: a run resumed before compression started (e.g.
             # exactly at freeze_step) splits DDP's one-bucket first iteration along it, as the
             # uninterrupted run's buckets were.
-            "layout": list(self._layout),
+            "layout": list(self.link.layout) if self.link is not None else [],
             # This rank's traffic so far, so cumulative figures continue across a resume.
             "comm_total": asdict(self.comm_stats.snapshot()),
         }

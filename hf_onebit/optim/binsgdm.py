@@ -85,7 +85,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hf_onebit.comm import CommStats, executor_for
+from hf_onebit.comm import CommStats
+from hf_onebit.comm.allreduce import finite_flag
 from hf_onebit.comm.topology import node_topology
 from hf_onebit.comm.vote import VoteAllGather
 from hf_onebit.kernels import get_backend
@@ -93,7 +94,6 @@ from hf_onebit.optim.base import (
     OneBitOptimizer,
     Plan,
     check_betas,
-    finite_flag,
     logger,
     update_in_fp32_,
     write_flat_,
@@ -379,19 +379,17 @@ class BinSGDM(OneBitOptimizer):
         self._loaded_vote_state = {"steps_done": int(state["steps_done"]), "params": dict(vote["params"])}
 
     # ---------------------------------------------------------------- the hook side
-    def reduce_bucket_custom(self, plan, key, params, buffer, grads) -> torch.futures.Future:
-        if plan is not Plan.VOTE:
-            return super().reduce_bucket_custom(plan, key, params, buffer, grads)
-        t = self.steps_done + 1
+    def exchange_bucket(self, call, link) -> torch.futures.Future:
+        """The VOTE plan on one bucket (see :class:`hf_onebit.hook.BucketCall`): local votes,
+        exchanged by the ordered executor of ``link`` (the hook state)."""
+        if call.plan is not Plan.VOTE:
+            return super().exchange_bucket(call, link)
         vote = self._vote_exchange()
-        layout = self._layout_for(key, params, buffer.device, vote)
+        layout = self._layout_for(call.key, call.params, call.buffer.device, vote)
         for item in layout.items:
             self._materialize(item.index, item.param)
-            self._pending_t[item.index] = t
-        scale_t = self.grad_scale() if self.grad_scale is not None else None
-        attempt = self._attempts.get(key, 0)
-        job = lambda: self._vote_bucket(layout, vote, buffer, grads, scale_t, t, attempt)  # noqa: E731
-        return executor_for(self.process_group, buffer.device).submit(job)
+            self._pending_t[item.index] = call.t
+        return link.submit(call.buffer.device, lambda: self._vote_bucket(layout, vote, call, link))
 
     def _layout_for(self, key, params, device, vote: VoteAllGather) -> _Layout:
         layout = self._layouts.get(key)
@@ -414,13 +412,14 @@ class BinSGDM(OneBitOptimizer):
         self._layouts[key] = layout
         return layout
 
-    def _vote_bucket(self, layout: _Layout, vote: VoteAllGather, buffer, grads, scale_t, t: int, attempt: int) -> torch.Tensor:
+    def _vote_bucket(self, layout: _Layout, vote: VoteAllGather, call, link) -> torch.Tensor:
         """Runs on the communication thread: local state, local votes, exchange, ``.grad = q̄``.
 
         No value goes to the host (on CUDA that would wait for the GPU): the loss scale stays a
         0-dim tensor (its reciprocal in fp64, as ``1.0 / float(scale)`` was), the finiteness
         flags are device booleans from the new ``b`` to the NaN written into ``q̄``.
         """
+        buffer, grads, scale_t, t = call.buffer, call.grads, call.scale, call.t
         inv = None if scale_t is None else torch.reciprocal(scale_t.to(torch.float64))
         finite = []  # per parameter: is its new b finite (0-dim bool tensors)
         worker = self._stream(self.rank)
@@ -454,7 +453,7 @@ class BinSGDM(OneBitOptimizer):
                 node_stream.uniform_(layout.uniform[item.offset : item.offset + item.numel], t, item.index)
         qbar, valid = vote(layout.votes, all_finite, n, node_uniform=layout.uniform, scratch=layout.theta)
         qbar.masked_fill_(~valid, float("nan"))
-        self.note_attempt(t, attempt, valid)  # a repeat of step t is admitted only after a NaN vote
+        link.note_attempt(t, call.attempt, valid)  # a repeat of step t is admitted only after a NaN vote
         for item, g in zip(layout.items, grads):
             src = qbar[item.offset : item.offset + item.numel]
             if scale_t is not None:

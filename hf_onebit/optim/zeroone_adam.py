@@ -441,7 +441,7 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 state = self._init_local_state(p)
                 denom = self._denominator(state, groups[id(p)])
                 torch.mul(state["momentum_accumulator"], denom, out=view.view(p.shape))
-            futures.append(self.compress_segment_async(seg, Plan.SYNC_AFTER_STEP))
+            futures.append(self.link.compress_async(seg, Plan.SYNC_AFTER_STEP))
         for seg, fut in zip(segments, futures):
             fut.wait()
             for p, view in seg.views(params):

@@ -55,7 +55,7 @@ def _scaler_wiring(rank, world_size):
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-    return (inner is opt, again is opt, found is ddp, state.grad_scaler is scaler, opt.grad_scale is not None,
+    return (inner is opt, again is opt, found is ddp, state.grad_scaler is scaler, opt.scaled,
             opt.steps_done, [p.detach().clone() for p in model.parameters()])
 
 

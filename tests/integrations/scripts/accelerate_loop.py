@@ -47,13 +47,14 @@ def train(args, start, stop, save_dir=None, load_dir=None):
     model, optimizer = accelerator.prepare(model, optimizer)
     onebit = attach(accelerator, model, optimizer)
     calls = []
-    inner, original = onebit.optimizer, onebit.optimizer.reduce_bucket
+    inner, link = onebit.optimizer, onebit.optimizer.link
+    original = link.reduce
 
     def counting(params, buffer, grads):
         calls.append(inner.steps_done + 1)
         return original(params, buffer, grads)
 
-    inner.reduce_bucket = counting
+    link.reduce = counting
     if load_dir:
         accelerator.load_state(load_dir)
     logs = []

@@ -57,7 +57,7 @@ class Synthetic(torch.utils.data.Dataset):
 
 
 class Recorder(TrainerCallback):
-    """Counts the hook's calls per optimizer step (wraps optimizer.reduce_bucket)."""
+    """Counts the hook's calls per optimizer step (wraps the hook state's reduce)."""
 
     def __init__(self):
         self.calls = []
@@ -67,14 +67,14 @@ class Recorder(TrainerCallback):
         opt = unwrap_optimizer(optimizer)
         if not isinstance(opt, hf_onebit.OneBitOptimizer):
             return
-        original = opt.reduce_bucket
+        original = opt.link.reduce
 
         def counting(params, buffer, grads):
             self.calls.append((opt.steps_done + 1, len(params)))
             self.numels.append((opt.steps_done + 1, sum(p.numel() for p in params)))
             return original(params, buffer, grads)
 
-        opt.reduce_bucket = counting
+        opt.link.reduce = counting
 
 
 class GradCheckTrainer(hf_onebit.OneBitTrainer):

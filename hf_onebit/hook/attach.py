@@ -1,79 +1,24 @@
-"""The DDP communication hook that lets an hf_onebit optimizer replace gradient sync.
+"""``attach``: pair an hf_onebit optimizer with a DDP model by registering the hook.
 
-Usage (plain PyTorch)::
-
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-4, freeze_step=400)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    hf_onebit.attach(ddp, opt)
-
-DDP calls :func:`onebit_hook` once per gradient bucket as soon as the bucket's gradients are
-ready, while the rest of backward still runs. The hook asks the optimizer what this step needs
-(its *plan*: full all-reduce, 1-bit momentum, 1-bit gradient, nothing, 1-bit vote) and returns a
-future of the bucket's new contents, which DDP copies into ``.grad``. All of an optimizer's
-collectives go through one ordered executor per process group (:mod:`hf_onebit.comm.executor`),
-so several buckets in flight are issued in the same order on every rank.
+Checks first that both manage the same parameters, that nothing unsupported is in use, and
+that every rank built the same optimizer (one small all-gather), so a mismatch is an error at
+attach time rather than a deadlock or a silent divergence hours later.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.
 import pickle
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_onebit.comm import runs_inline
 from hf_onebit.comm.compat import all_gather_bytes
+from hf_onebit.hook.state import OneBitHookState, onebit_hook
 from hf_onebit.kernels.selftest import self_test
-from hf_onebit.optim.base import OneBitOptimizer, logger
+from hf_onebit.optim import OneBitOptimizer
+from hf_onebit.optim.base import logger
 from hf_onebit.refusals import check_find_unused, check_sparse
-
-
-@dataclass
-class OneBitHookState:
-    """What :func:`onebit_hook` needs: the optimizer, and the loss scaler if fp16 is used."""
-
-    optimizer: OneBitOptimizer
-    grad_scaler: Any = None  # torch.amp.GradScaler or None
-
-    def current_scale(self) -> Optional[torch.Tensor]:
-        scaler = self.grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return None
-        return scaler._scale if getattr(scaler, "_scale", None) is not None else None
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s strides cover its elements once without gaps (channels_last, transposes)."""
-    expected = 1
-    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def bucket_gradients(bucket: dist.GradBucket) -> list:
-    """The bucket's per-parameter gradients, as views with each parameter's own strides.
-
-    DDP fills a bucket in each parameter's *memory* order (its bucket views copy the
-    parameter's strides when they are dense, e.g. channels_last or a transposed view), but
-    ``GradBucket.gradients()`` returns row-major views of the same memory, which for such a
-    parameter scramble its coordinates. Re-view them as DDP wrote them, so every coordinate
-    is read (and written back) at its logical position.
-    """
-    out = []
-    for p, g in zip(bucket.parameters(), bucket.gradients()):
-        if not p.is_contiguous() and _dense(p):
-            g = g.as_strided(p.shape, p.stride())  # same storage offset as DDP's bucket view
-        out.append(g)
-    return out
-
-
-def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: run the optimizer's plan for this step on ``bucket``."""
-    return state.optimizer.reduce_bucket(bucket.parameters(), bucket.buffer(), bucket_gradients(bucket))
 
 
 def attach(
@@ -116,9 +61,8 @@ def attach(
     if any(id(p) not in module_ids for p in opt_params):
         raise ValueError("hf_onebit.attach: the optimizer holds parameters that are not parameters of the DDP model")
     check_sparse(ddp_model.module)
-    optimizer.process_group = ddp_model.process_group
-    state = OneBitHookState(optimizer, grad_scaler)
-    optimizer.grad_scale = state.current_scale if grad_scaler is not None else None
+    state = OneBitHookState(optimizer, ddp_model.process_group, grad_scaler, previous=optimizer.link)
+    optimizer.link = state  # the optimizer's one way to the network
     if optimizer.world_size == 1:
         logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
         return None
