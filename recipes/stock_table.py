@@ -17,7 +17,8 @@ each hf_onebit optimizer needs is supplied by the launcher (``hf_onebit.integrat
 ``outputs/stock_table/<dataset>/``). ``--freeze N`` adds ``--optim_args freeze_step=N`` for the
 optimizers with a warmup (1-bit Adam, 0/1 Adam, 1-bit LAMB): a fixed freeze instead of the automatic
 one (run directories ``<optim>-freezeN-seed<S>``); the command line is then still the same for
-every optimizer except ``--optim``.
+every optimizer except ``--optim``. ``--optim-args`` (an experiment, with its own ``--out``) adds
+more ``--optim_args`` for those three.
 
 Results land in ``outputs/stock_table/<optim>-seed<N>/all_results.json`` (written by the stock
 ``Trainer.save_metrics``) with the run's log beside it; the table (markdown) is printed and
@@ -63,8 +64,13 @@ def run_name(optim: str, seed: int, freeze: int | None = None) -> str:
     return f"{optim}{tag}-seed{seed}"
 
 
-def freeze_args(optim: str, freeze: int | None) -> list[str]:
-    return ["--optim_args", f"freeze_step={freeze}"] if freeze is not None and optim in FREEZES else []
+def freeze_args(optim: str, freeze: int | None, extra: str | None = None) -> list[str]:
+    """``--optim_args`` for the optimizers with a warmup: a fixed freeze and/or ``extra``
+    (``"update_clip=2.0"``); nothing for AdamW and BinSGDM."""
+    if optim not in FREEZES:
+        return []
+    items = ([f"freeze_step={freeze}"] if freeze is not None else []) + ([extra] if extra else [])
+    return ["--optim_args", ",".join(items)] if items else []
 
 
 def model_path() -> str:
@@ -152,6 +158,9 @@ def main() -> None:
                         help="embedded task (default: the recipe's, Rotten Tomatoes)")
     parser.add_argument("--freeze", type=int, default=None,
                         help="fixed freeze step for 1-bit Adam, 0/1 Adam, 1-bit LAMB (default: the automatic one)")
+    parser.add_argument("--optim-args", default=None,
+                        help="an experiment: more --optim_args for 1-bit Adam, 0/1 Adam, 1-bit LAMB (e.g."
+                             " 'update_clip=2.0'); the stock table itself passes none. Use with --out")
     parser.add_argument("--out", default=str(REPO / "outputs" / "stock_table"))
     parser.add_argument("--summarize", action="store_true", help="only print the table of existing results")
     parser.add_argument("--within", type=float, default=1.0,
@@ -166,7 +175,7 @@ def main() -> None:
             for optim in args.only or OPTIMS:
                 print(f"[{time.strftime('%H:%M:%S')}] {optim} seed {seed} (load {os.getloadavg()[0]:.1f})", flush=True)
                 r = run_one(optim, seed, out / run_name(optim, seed, args.freeze), files, model,
-                            [*BUDGET, *freeze_args(optim, args.freeze)])
+                            [*BUDGET, *freeze_args(optim, args.freeze, args.optim_args)])
                 print(f"    dev accuracy {100 * r['eval_accuracy']:.1f}  loss {r['eval_loss']:.3f}"
                       f"  ratio {float(r.get('onebit/ratio_vs_ddp', 1.0)):.2f}x  wall {r['wall_seconds']:.0f} s",
                       flush=True)

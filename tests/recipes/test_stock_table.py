@@ -41,6 +41,9 @@ def test_a_fixed_freeze_is_passed_only_to_the_optimizers_with_a_warmup():
     assert stock_table.freeze_args("onebit_lamb", 48) == ["--optim_args", "freeze_step=48"]
     assert stock_table.freeze_args("binsgdm", 48) == stock_table.freeze_args("adamw_torch", 48) == []
     assert stock_table.freeze_args("onebit_adam", None) == []
+    assert stock_table.freeze_args("zeroone_adam", 48, "update_clip=2.0") == ["--optim_args", "freeze_step=48,update_clip=2.0"]
+    assert stock_table.freeze_args("zeroone_adam", None, "update_clip=2.0") == ["--optim_args", "update_clip=2.0"]
+    assert stock_table.freeze_args("binsgdm", None, "update_clip=2.0") == []
     # AdamW and BinSGDM share their runs with the automatic-freeze table: one baseline per seed
     assert stock_table.run_name("zeroone_adam", 43, 48) == "zeroone_adam-freeze48-seed43"
     assert stock_table.run_name("binsgdm", 43, 48) == stock_table.run_name("binsgdm", 43) == "binsgdm-seed43"
