@@ -16,7 +16,7 @@ It checks, in order, and prints one line each and a verdict:
 4. **host syncs** (CUDA only): hook and step in the steady compressed phase (after the step
    that starts it, which freezes masks once) under ``torch.cuda.set_sync_debug_mode("warn")``,
    counted; there should be none. The optimizers are built with ``check_finite=False``: its
-   one read per step is deliberate (``OneBitOptimizer.check_finite_grads``);
+   one read per step is deliberate (``optim.guards.check_finite_grads``);
 5. **overlap**: how much of the hook's communication hides behind backward, on the same world
    (:func:`measure_overlap`).
 """

@@ -46,6 +46,10 @@ class CommRecord:
         self.calls += other.calls
         return self
 
+    def __sub__(self, other: "CommRecord") -> "CommRecord":
+        """What was counted since ``other`` (an earlier snapshot of the same totals)."""
+        return CommRecord(**{k: v - getattr(other, k) for k, v in asdict(self).items()})
+
     def as_dict(self) -> dict:
         return {**asdict(self), "compression_ratio": self.compression_ratio}
 

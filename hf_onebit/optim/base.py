@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import asdict
 from typing import Callable, Sequence
 
 import torch
@@ -19,6 +18,9 @@ import torch.distributed as dist
 
 from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce
 from hf_onebit.comm.segments import Segment, SegmentRegistry
+from hf_onebit.optim import adam_state, guards, rank_state
+from hf_onebit.optim.tensors import write_flat_
+from hf_onebit.optim.validation import check_betas, check_common
 from hf_onebit.optim.workspace import Workspace
 
 logger = logging.getLogger("hf_onebit")
@@ -35,83 +37,6 @@ class Plan(str, enum.Enum):
     VOTE = "vote"
 
 
-def write_flat_(dst: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """``dst[...] = flat`` with ``flat`` in ``dst``'s logical (row-major) order, whatever its strides.
-
-    ``dst.reshape(-1)`` of a channels_last or transposed tensor is a copy, so writing through it
-    would be lost; this writes into ``dst`` itself.
-    """
-    if dst.is_contiguous():
-        return dst.view(-1).copy_(flat)
-    return dst.copy_(flat.view(dst.shape))
-
-
-def logical(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if contiguous, else a contiguous copy: reductions over it then sum in logical
-    order, so a channels_last tensor reduces bitwise like the same values stored contiguously."""
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _looks_like_adam(state_dict: dict) -> bool:
-    """A ``torch.optim.Adam``/``AdamW`` state_dict (and not one of ours)."""
-    states = list(state_dict.get("state", {}).values())
-    adam_keys = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
-    return bool(states) and all({"step", "exp_avg", "exp_avg_sq"} <= set(s) <= adam_keys for s in states)
-
-
-def check_betas(betas: Sequence[float], name: str = "betas") -> None:
-    for b in betas:
-        if not 0.0 <= b < 1.0:  # NaN fails too
-            raise ValueError(f"{name} must lie in [0, 1), got {tuple(betas)}")
-
-
-def check_common(lr: float, eps: float, weight_decay: float) -> None:
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if not value >= 0.0:  # NaN fails too
-            raise ValueError(f"{name} must be >= 0, got {value}")
-
-
-def check_positive_int(value: int, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def check_nonneg_int(value: int, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-
-
-def update_in_fp32_(p: torch.Tensor, update: Callable[[torch.Tensor], object]) -> None:
-    """Apply the in-place ``update`` to ``p`` in fp32, rounding once.
-
-    fp32 parameters are updated in place; bf16/fp16 ones through an fp32 copy that is written
-    back, so every optimizer rounds a low-precision parameter exactly once per step.
-    """
-    if p.dtype == torch.float32:
-        update(p)
-    else:
-        work = p.float()
-        update(work)
-        p.copy_(work)
-
-
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """True when every element of every tensor is finite; one host sync.
-
-    A NaN or inf anywhere makes that tensor's 2-norm, and so the sum of the norms, non-finite;
-    the fused ``_foreach_norm`` reads each gradient once (16x faster than ``isfinite(g).all()``
-    per tensor on 98 tensors of MiniLM). A non-finite sum can also be an fp32 overflow of huge
-    finite values, so it is confirmed element-wise before anyone is told.
-    """
-    try:
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-        if bool(torch.isfinite(torch.stack(norms).sum())):
-            return True
-    except (RuntimeError, TypeError):  # e.g. sparse or mixed-device lists: the element-wise check
-        pass
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
-
-
 class OneBitOptimizer(torch.optim.Optimizer):
     """Base class: a phase machine whose :meth:`plan` drives the communication hook.
 
@@ -122,16 +47,13 @@ class OneBitOptimizer(torch.optim.Optimizer):
     :meth:`rank_state_dict`.
     """
 
-    #: Plans that need a compression segment.
-    _SEGMENT_PLANS = (Plan.COMPRESS_MOMENTUM, Plan.COMPRESS_GRADIENT)
-
     def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False, check_finite: bool = True) -> None:
         if not isinstance(check_finite, bool):
             raise TypeError(f"{type(self).__name__}: check_finite must be True or False, got {check_finite!r}")
         self._check_group(defaults)  # also when every group overrides them (torch checks groups only)
         super().__init__(params, defaults)
         #: Whether ``step()`` refuses non-finite gradients without a loss scaler (see
-        #: :meth:`check_finite_grads`; a setting of this process, saved nowhere).
+        #: :func:`~hf_onebit.optim.guards.check_finite_grads`; a setting of this process, saved nowhere).
         self.check_finite = check_finite
         #: One compression scale per parameter tensor of a bucket instead of one per rank and
         #: chunk (see :class:`~hf_onebit.comm.CompressedAllReduce`'s ``piece_sizes``).
@@ -296,15 +218,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self.segments.commit()
         self.steps_done += 1
         total = self.comm_stats.snapshot()
-        prev = self._stats_at_last_step
-        self.last_step_comm = CommRecord(
-            total.bytes_sent - prev.bytes_sent,
-            total.bytes_received - prev.bytes_received,
-            total.rounds - prev.rounds,
-            total.fp32_equivalent - prev.fp32_equivalent,
-            total.calls - prev.calls,
-        )
-        self._stats_at_last_step = total
+        self.last_step_comm, self._stats_at_last_step = total - self._stats_at_last_step, total
         phase = self.phase()
         if phase != self._last_phase:
             if self._last_phase is not None and self.rank == 0:
@@ -313,19 +227,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
                     type(self).__name__, self.steps_done, phase, self.plan().value, self.steps_done + 1,
                 )
             self._last_phase = phase
-
-    def check_synced(self, t: int) -> bool:
-        """Whether the hook communicated for step ``t``; raise if it should have and did not."""
-        if self.world_size == 1:
-            return False
-        if self.link is None or self.link.layout_step != t:
-            raise RuntimeError(
-                f"hf_onebit: {type(self).__name__}.step() runs on {self.world_size} ranks but the"
-                " communication hook did not run for this step. Call"
-                " `hf_onebit.attach(ddp_model, optimizer)` after wrapping the model in"
-                " DistributedDataParallel (HF Trainer and Accelerate integrations do this for you)."
-            )
-        return True
 
     def fingerprint(self) -> dict:
         """What must be identical on every rank: class, hyperparameters, counters, parameter shapes."""
@@ -347,70 +248,13 @@ class OneBitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.check_grads_exchanged(self.steps_done + 1)
-        self.check_finite_grads()
+        guards.check_grads_exchanged(self, self.steps_done + 1)
+        guards.check_finite_grads(self)
         return loss, self.steps_done + 1, self.plan()
 
-    def check_grads_exchanged(self, t: int) -> None:
-        """Refuse a step in which a trainable parameter's gradient never reached the hook.
-
-        DDP hands a bucket to the hook only once *every* parameter in it has a gradient. When
-        ``requires_grad`` is switched off after DDP was built (freezing mid-run), the frozen
-        parameter's bucket never completes: the other parameters of that bucket (and, since
-        DDP launches buckets in order, of every later bucket) keep this rank's own gradient,
-        and stock DDP only complains at the *next* forward, suggesting
-        ``find_unused_parameters=True``, which hf_onebit refuses on gloo. Stepping would apply
-        unexchanged gradients (ranks diverge; 1-bit Adam would even take a local gradient as its
-        momentum), so stop here, before any optimizer state changes. Bookkeeping only, no sync.
-        """
-        if self.link is None or self.world_size == 1:  # not attached: no hook to check
-            return
-        covered = self.link.covered(t) or set()
-        missed = [i for i, p in enumerate(self.params_in_order())
-                  if p.grad is not None and p.requires_grad and i not in covered]
-        if missed:
-            raise RuntimeError(
-                f"hf_onebit {type(self).__name__}: step {t} on rank {self.rank}: parameter(s) {missed[:8]}"
-                " (optimizer order) have a gradient that DDP never handed to the communication hook, so it"
-                " was not exchanged between ranks; nothing was changed. A bucket waits for a parameter that"
-                " got no gradient: requires_grad was switched off after DDP was built, or a parameter was"
-                " unused. To freeze parameters mid-run, set requires_grad_(False), wrap the model in a new"
-                " DistributedDataParallel and call hf_onebit.attach(new_ddp, optimizer) again (the optimizer"
-                " keeps its state; frozen parameters may stay in it)."
-            )
-
-    def check_finite_grads(self) -> None:
-        """Stop with a clear error if any gradient is non-finite and no loss scaler can skip the step.
-
-        Called at the start of every ``step()``, before any state changes. With a loss scaler
-        attached the scaler skips such steps on every rank (the exchanged values are non-finite
-        everywhere) and never calls ``step()``; without one, silently applying NaN would corrupt
-        moments, variance and parameters for good.
-
-        This is the one host synchronisation of a step, and a deliberate one: refusing a NaN
-        *before* it reaches the optimizer state needs the host to know whether there is one,
-        so the host waits here for one fused norm over the gradients. Nothing else in the
-        hook or in ``step()`` waits for the device once the phase is steady (tested in
-        ``tests/optim/test_host_syncs.py``). With a loss scaler it is skipped (its own ``step``
-        already waits for its inf check); ``check_finite=False`` at construction skips it too,
-        for a loop that checks its gradients itself.
-        """
-        if self.scaled or not self.check_finite:
-            return
-        grads = [p.grad for p in self.params_in_order() if p.grad is not None]
-        if not grads:
-            return
-        if _all_finite(grads):
-            return
-        index = self._index_of()
-        bad = [index[id(p)] for p in self.params_in_order() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-        raise FloatingPointError(
-            f"hf_onebit {type(self).__name__}: non-finite gradient at step {self.steps_done + 1} (phase"
-            f" '{self.phase()}') in parameter(s) {bad[:8]} (optimizer order) on rank {self.rank}. No loss"
-            " scaler is attached, so the step cannot be skipped; stopping before any optimizer state"
-            " changes. Remedies: lower the learning rate, clip gradients, or for fp16 pass the"
-            " GradScaler to hf_onebit.attach(..., grad_scaler=scaler) so such steps are skipped."
-        )
+    def check_synced(self, t: int) -> bool:
+        """Whether the hook communicated for step ``t``; raise if it should have and did not."""
+        return guards.check_synced(self, t)
 
     def onebit_stats(self) -> dict:
         """Cumulative and last-step communication figures, for logs and benchmarks."""
@@ -442,8 +286,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """
         state_dict = dict(state_dict)
         onebit = state_dict.pop("onebit", None)
-        if onebit is None and _looks_like_adam(state_dict):
-            self._import_adam_state(state_dict)
+        if onebit is None and adam_state.looks_like_adam(state_dict):
+            adam_state.import_adam_state(self, state_dict)
             return
         saved_state = state_dict["state"]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -461,60 +305,12 @@ class OneBitOptimizer(torch.optim.Optimizer):
     #: Whether a torch Adam/AdamW ``state_dict`` can seed this optimizer's moments.
     imports_adam_state = True
 
-    def _import_adam_state(self, state_dict: dict) -> None:
-        """Continue from a ``torch.optim.Adam``/``AdamW`` checkpoint: its moments and step count.
-
-        The hyperparameters stay those this optimizer was built with (not the checkpoint's).
-        Warmup and freezing follow the step count: a checkpoint past ``freeze_step`` starts
-        compressing at once. Coordinates whose variance is exactly zero never had a gradient,
-        which is what the automatic mask records, so masks are seeded from it.
-        """
-        if not self.imports_adam_state:
-            raise ValueError(
-                f"{type(self).__name__} cannot continue from a torch Adam/AdamW state_dict (its state is not"
-                " Adam's moments): start its state afresh and load only the model weights"
-            )
-        params = self.params_in_order()
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        if len(saved_ids) != len(params):
-            raise ValueError(f"the Adam state_dict has {len(saved_ids)} parameters, this optimizer {len(params)}")
-        steps = 0
-        for saved_id, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(saved_id)
-            if not saved:
-                continue
-            if saved["exp_avg"].shape != p.shape:
-                raise ValueError(f"the Adam state of parameter {saved_id} has shape {tuple(saved['exp_avg'].shape)}, the parameter {tuple(p.shape)}")
-            state = self._init_state(p)
-            state["exp_avg"].copy_(saved["exp_avg"])
-            state["exp_avg_sq"].copy_(saved["exp_avg_sq"])
-            if "nonzero" in state:
-                state["nonzero"].copy_(saved["exp_avg_sq"] != 0)
-            steps = max(steps, int(saved["step"]))
-        self.steps_done = steps
-        self._last_phase = self.phase()
-        logger.warning(
-            "hf_onebit %s: continuing from a torch Adam/AdamW state at step %d (its moments; this"
-            " optimizer's hyperparameters); phase '%s'", type(self).__name__, steps, self.phase(),
-        )
-
     def rank_state_dict(self) -> dict:
-        """This rank's own state: error buffers of every segment (plus subclass extras).
+        """This rank's own state (:func:`hf_onebit.optim.rank_state.save`); subclasses add theirs.
 
         Contains only tensors, ints and tuples, so ``torch.load(..., weights_only=True)`` reads it.
         """
-        return {
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "steps_done": self.steps_done,
-            "segments": self.segments.state_dict(),  # restored but unused state included
-            # The last bucket layout DDP used: a run resumed before compression started (e.g.
-            # exactly at freeze_step) splits DDP's one-bucket first iteration along it, as the
-            # uninterrupted run's buckets were.
-            "layout": list(self.link.layout) if self.link is not None else [],
-            # This rank's traffic so far, so cumulative figures continue across a resume.
-            "comm_total": asdict(self.comm_stats.snapshot()),
-        }
+        return rank_state.save(self)
 
     def reset_rank_state(self) -> None:
         """Start this rank's own state afresh (error buffers zero); shared state is kept.
@@ -522,22 +318,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         For resuming when the per-rank state is missing or unusable (e.g. another world size):
         see :func:`hf_onebit.checkpoint.load_rank_state`. Subclasses extend it.
         """
-        self.segments.clear()
+        rank_state.reset(self)
 
     def load_rank_state_dict(self, state: dict) -> None:
         """Restore :meth:`rank_state_dict` output; segments are rebuilt lazily as buckets arrive."""
-        if state["world_size"] != self.world_size:
-            raise ValueError(
-                f"per-rank compression state was saved with {state['world_size']} ranks, this run has"
-                f" {self.world_size}; see docs on resuming with another world size"
-            )
-        total = state.get("comm_total")
-        if total:
-            self.comm_stats.restore(CommRecord(**{k: int(v) for k, v in total.items()}))
-            self._stats_at_last_step = self.comm_stats.snapshot()
-        pending: dict = dict(state["segments"])
-        covered = set().union(*pending) if pending else set()
-        for key in state.get("layout", []):
-            if not covered & set(key):  # a layout for parameters that have no error state yet
-                pending.setdefault(tuple(key), None)
-        self.segments.load(pending)
+        rank_state.load(self, state)

@@ -90,14 +90,9 @@ from hf_onebit.comm.allreduce import finite_flag
 from hf_onebit.comm.topology import node_topology
 from hf_onebit.comm.vote import VoteAllGather
 from hf_onebit.kernels import get_backend
-from hf_onebit.optim.base import (
-    OneBitOptimizer,
-    Plan,
-    check_betas,
-    logger,
-    update_in_fp32_,
-    write_flat_,
-)
+from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
+from hf_onebit.optim.tensors import update_in_fp32_, write_flat_
+from hf_onebit.optim.validation import check_betas
 from hf_onebit.optim.vote_streams import MASK64, NODE_STREAM, VoteStream
 
 
@@ -183,7 +178,7 @@ class BinSGDM(OneBitOptimizer):
             parameter index, see the module docstring). Saved in ``state_dict()`` and restored
             from it, so a resumed run continues the same random streams.
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
-            any state changes (the step's one host sync, see ``check_finite_grads``).
+            any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
     """
 
     imports_adam_state = False  # its m, b are not Adam's moments

@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, update_in_fp32_
+from hf_onebit.optim.base import OneBitOptimizer, Plan
+from hf_onebit.optim.tensors import update_in_fp32_
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
@@ -74,7 +75,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         auto_mask: mask coordinates whose averaged gradient was exactly zero on every warmup step,
             or whose frozen ``sqrt(v̂)`` is below ``eps/100``.
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
-            any state changes (the step's one host sync, see ``check_finite_grads``).
+            any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
         update_clip: after the freeze, bound every coordinate's step at ``update_clip·lr`` by
             dividing by ``max(sqrt(v̂), |m̂|/update_clip)`` (``None``: the spec's update). Under Adam
             ``|m̂| <= sqrt(v̂)`` nearly always holds, as both average the same gradients; with the

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, logical, update_in_fp32_
+from hf_onebit.optim.base import OneBitOptimizer, Plan
+from hf_onebit.optim.tensors import logical, update_in_fp32_
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
@@ -102,7 +103,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             ``±scale`` from the compressor and, with ``v == 0`` there, steps of size
             ``scale/eps``. :meth:`set_mask` overrides it per parameter.
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
-            any state changes (the step's one host sync, see ``check_finite_grads``).
+            any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
         update_clip: in the compression phase the update is ``u = m/(max(sqrt(v), |m|/update_clip)
             + eps) + wd·p``, so no coordinate of the adaptive share exceeds ``update_clip`` before
             the trust ratio (``None``, default: the spec's update). 1-bit Adam's bound (see

@@ -28,7 +28,9 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan, check_positive_int, update_in_fp32_
+from hf_onebit.optim.base import OneBitOptimizer, Plan
+from hf_onebit.optim.tensors import update_in_fp32_
+from hf_onebit.optim.validation import check_positive_int
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
@@ -68,7 +70,7 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             short run gets: it diverged). ``False`` with such a freeze warns at construction.
             The momentum is not corrected (its bias only shrinks the first steps).
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
-            any state changes (the step's one host sync, see ``check_finite_grads``).
+            any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
         update_clip: on every step that does not update the variance (1-bit gradient steps and
             local steps) divide by ``max(sqrt(v̂), |m|/update_clip) + eps``, so no coordinate
             moves by more than ``update_clip·lr`` (plus weight decay); at a sync the move

@@ -47,7 +47,7 @@ EXEMPT = {("kernels/cpu.py", "*", "*"), ("optim/vote_streams.py", "uniform_", "n
 ONE_TIME = {"optim/masks.py:freeze_masks", "comm/compressed.py:_setup_pieces", "kernels/reference.py:_weights"}
 
 #: The deliberate sync of ``check_finite_grads`` (one per step without a loss scaler).
-FINITE_CHECK = "optim/base.py:_all_finite"
+FINITE_CHECK = "optim/guards.py:_all_finite"
 
 
 class SyncWatch:
@@ -213,7 +213,7 @@ def test_no_host_sync_in_hierarchical_votes(hier_runs, name):
 def test_the_watch_counts_hf_onebit_conversions_on_any_thread():
     """The counting itself: hf_onebit's ``bool()`` is seen, on the main thread and another; the
     test's own conversions are not hf_onebit's."""
-    from hf_onebit.optim.base import _all_finite
+    from hf_onebit.optim.guards import _all_finite
 
     watch = SyncWatch()
     original = {name: getattr(torch.Tensor, name) for name in CONVERSIONS}

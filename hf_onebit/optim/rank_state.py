@@ -1,0 +1,55 @@
+"""This rank's own state: error buffers of every segment, the last bucket layout, the traffic so far.
+
+:meth:`OneBitOptimizer.rank_state_dict` and its pair call these; subclasses add their own entries
+(0/1 Adam's local accumulators, BinSGDM's vote state). Saved by :mod:`hf_onebit.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from hf_onebit.comm import CommRecord
+
+if TYPE_CHECKING:
+    from hf_onebit.optim.base import OneBitOptimizer
+
+
+def save(opt: OneBitOptimizer) -> dict:
+    """The base's entries: error buffers of every segment, the last layout, the traffic so far."""
+    return {
+        "world_size": opt.world_size,
+        "rank": opt.rank,
+        "steps_done": opt.steps_done,
+        "segments": opt.segments.state_dict(),  # restored but unused state included
+        # The last bucket layout DDP used: a run resumed before compression started (e.g.
+        # exactly at freeze_step) splits DDP's one-bucket first iteration along it, as the
+        # uninterrupted run's buckets were.
+        "layout": list(opt.link.layout) if opt.link is not None else [],
+        # This rank's traffic so far, so cumulative figures continue across a resume.
+        "comm_total": asdict(opt.comm_stats.snapshot()),
+    }
+
+
+def reset(opt: OneBitOptimizer) -> None:
+    """Error buffers start afresh (zero)."""
+    opt.segments.clear()
+
+
+def load(opt: OneBitOptimizer, state: dict) -> None:
+    """Restore what :func:`save` wrote; segments are rebuilt lazily as buckets arrive."""
+    if state["world_size"] != opt.world_size:
+        raise ValueError(
+            f"per-rank compression state was saved with {state['world_size']} ranks, this run has"
+            f" {opt.world_size}; see docs on resuming with another world size"
+        )
+    total = state.get("comm_total")
+    if total:
+        opt.comm_stats.restore(CommRecord(**{k: int(v) for k, v in total.items()}))
+        opt._stats_at_last_step = opt.comm_stats.snapshot()
+    pending: dict = dict(state["segments"])
+    covered = set().union(*pending) if pending else set()
+    for key in state.get("layout", []):
+        if not covered & set(key):  # a layout for parameters that have no error state yet
+            pending.setdefault(tuple(key), None)
+    opt.segments.load(pending)

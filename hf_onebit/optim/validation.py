@@ -1,0 +1,25 @@
+"""Hyperparameter checks shared by the optimizers' ``_check_group`` and constructors: each raises
+``ValueError`` naming the value."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def check_betas(betas: Sequence[float], name: str = "betas") -> None:
+    for b in betas:
+        if not 0.0 <= b < 1.0:  # NaN fails too
+            raise ValueError(f"{name} must lie in [0, 1), got {tuple(betas)}")
+
+
+
+def check_common(lr: float, eps: float, weight_decay: float) -> None:
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not value >= 0.0:  # NaN fails too
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+
+def check_positive_int(value: int, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
