@@ -75,7 +75,9 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             local steps) divide by ``max(sqrt(v̂), |m|/update_clip) + eps``, so no coordinate
             moves by more than ``update_clip·lr`` (plus weight decay); at a sync the move
             ``ū/(sqrt(v̂)+eps)`` is bounded the same way by ``update_clip·λ``, dividing by
-            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. ``None`` (default): the spec's update.
+            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. The accumulator ``u`` takes each local
+            step unclipped: it becomes the momentum at the sync, which a clipped ``u`` would
+            shrink. ``None`` (default): the spec's update.
             It is 1-bit Adam's bound (see :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`) in
             0/1 Adam's two places where a stale variance meets compression noise. The HF
             integration passes 1.0.
