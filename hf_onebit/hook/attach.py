@@ -105,11 +105,24 @@ def _lookup(tree: Any, path: str) -> Any:
     return tree
 
 
+def _fingerprint(optimizer: OneBitOptimizer) -> dict:
+    """What must be identical on every rank: class, hyperparameters, counters, parameter shapes."""
+    return {
+        "optimizer": type(optimizer).__name__,
+        "global": optimizer.global_state(),
+        "param_groups": [
+            {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups
+        ],
+        "params": [[list(p.shape), str(p.dtype)] for p in optimizer.params_in_order()],
+    }
+
+
 def _check_same_on_every_rank(optimizer: OneBitOptimizer, group) -> None:
     """Refuse ranks built differently (hyperparameters, counters, shapes): they would deadlock
     or silently diverge. One small all-gather at attach time."""
     device = optimizer.params_in_order()[0].device
-    everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(optimizer.fingerprint()), device, group)]
+    everyone = [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(_fingerprint(optimizer)), device, group)]
     for rank, theirs in enumerate(everyone):
         where = _first_difference(everyone[0], theirs)
         if where is not None:

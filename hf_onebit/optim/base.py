@@ -228,17 +228,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 )
             self._last_phase = phase
 
-    def fingerprint(self) -> dict:
-        """What must be identical on every rank: class, hyperparameters, counters, parameter shapes."""
-        return {
-            "optimizer": type(self).__name__,
-            "global": self.global_state(),
-            "param_groups": [
-                {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"} for g in self.param_groups
-            ],
-            "params": [[list(p.shape), str(p.dtype)] for p in self.params_in_order()],
-        }
-
     def begin_step(self, closure=None) -> tuple:
         """The common start of every ``step()``: run the closure, refuse non-finite gradients.
 
