@@ -75,9 +75,10 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             local steps) divide by ``max(sqrt(v̂), |m|/update_clip) + eps``, so no coordinate
             moves by more than ``update_clip·lr`` (plus weight decay); at a sync the move
             ``ū/(sqrt(v̂)+eps)`` is bounded the same way by ``update_clip·λ``, dividing by
-            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. The accumulator ``u`` takes each local
-            step unclipped: it becomes the momentum at the sync, which a clipped ``u`` would
-            shrink. ``None`` (default): the spec's update.
+            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. A local step followed at once by a
+            sync (λ = lr, every step at the integration's defaults) adds its *unclipped* step to
+            the accumulator ``u``, which becomes the momentum at the sync and which a clipped
+            step would shrink. ``None`` (default): the spec's update.
             It is 1-bit Adam's bound (see :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`) in
             0/1 Adam's two places where a stale variance meets compression noise. The HF
             integration passes 1.0.
@@ -397,13 +398,16 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             if "mask" in state:
                 m.mul_(state["mask"])
             lr, wd = group["lr"], group["weight_decay"]
-            delta = self._delta(p, m, self._denominator(state, group), lr, wd)
-            # u collects the unclipped step: at the sync u ⊙ (sqrt(v̂)+eps) is the momentum the
-            # ranks average and the next momentum starts from, so a clipped u would shrink the
-            # momentum itself wherever the clip binds, step after step. The clip bounds where this
-            # rank's parameters go between syncs (here) and where a sync lands (``_sync``).
+            clip = self.update_clip is not None
+            # A sync right after this one local step (λ = lr): its bound c·λ is this step's bound,
+            # so a clipped u would only shrink the momentum the sync restores (u ⊙ (sqrt(v̂)+eps)/λ),
+            # step after step wherever the clip binds; u takes the unclipped step and the sync's
+            # clip bounds where the ranks land. After several local steps u takes the clipped ones,
+            # so the sync lands on the mean of where the ranks went (docs/algorithms.md).
+            lone = plan is Plan.SYNC_AFTER_STEP and state["lr_sum"] == 0.0
+            delta = self._delta(p, m, self._denominator(state, group, m if clip and not lone else None), lr, wd)
             state["momentum_accumulator"].sub_(delta)
-            if self.update_clip is not None:
+            if clip and lone:
                 delta = self._delta(p, m, self._denominator(state, group, m), lr, wd)
             update_in_fp32_(p, lambda w: w.sub_(delta))
             state["lr_sum"] += lr

@@ -51,8 +51,8 @@ class ZeroOneAdamSimulation:
                  auto_mask=True, bias_correction=False, scale_per_tensor=False, update_clip=None):
         self.n = n
         # hf_onebit's option: steps that do not update v divide by max(sqrt(v̂), |m|/c) + eps (a
-        # local step's u still takes the unclipped step), and a sync moves by
-        # ū/(max(sqrt(v̂), |ū|/(c·λ)) + eps)
+        # local step followed at once by a sync adds its unclipped step to u), and a sync moves
+        # by ū/(max(sqrt(v̂), |ū|/(c·λ)) + eps)
         self.clip = update_clip
         # hf_onebit's deviation (auto_mask): coordinates never non-zero on a variance step, or with
         # sqrt(v) < eps/100, keep zero momentum and zero synced update from the first compressing step
@@ -143,16 +143,20 @@ class ZeroOneAdamSimulation:
                     comm.server_error = [np.zeros_like(e) for e in comm.server_error]
                 self.x = [[x.copy() for x in self.p[r]] for r in range(n)]  # the last synced point
             self._freeze_mask()
+            sync = t % self.local_interval == 0
             for r in range(n):
+                lone = sync and self.lam[r] == 0.0  # a sync right after this one local step
                 for k in range(P):
                     self.m[r][k] = b1 * self.m[r][k] + (1 - b1) * grads[r][k]
                     self.m[r][k] = self.m[r][k] * self.mask[k]
-                    # u accumulates the unclipped step; the clip bounds only the local move
-                    self.u[r][k] = self.u[r][k] - lr * (self.m[r][k] / self._denom(k) + wd * self.p[r][k])
-                    self.p[r][k] = self.p[r][k] - lr * (self.m[r][k] / self._denom(k, self.m[r][k]) + wd * self.p[r][k])
+                    clipped = lr * (self.m[r][k] / self._denom(k, self.m[r][k]) + wd * self.p[r][k])
+                    # u takes the unclipped step when a sync follows this one step, else the clipped one
+                    unclipped = lr * (self.m[r][k] / self._denom(k) + wd * self.p[r][k])
+                    self.u[r][k] = self.u[r][k] - (unclipped if lone else clipped)
+                    self.p[r][k] = self.p[r][k] - clipped
                 self.lam[r] += lr
             kind = L
-            if t % self.local_interval == 0:
+            if sync:
                 kind = S
                 ubar = self._compressed_allreduce(
                     [[self.u[r][k] * self._denom(k) for k in range(P)] for r in range(n)])
