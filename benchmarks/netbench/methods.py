@@ -120,11 +120,13 @@ def onebit_optimizer(method: str, params, args, freeze: int):
     """The hf_onebit optimizer of ``method`` as the benchmarks configure it (also convergence.py's).
 
     Hyperparameters follow the published guidance scaled to a run of ``args.steps`` steps;
-    ``args.onebit_args`` (JSON) adds keyword arguments, e.g. ``{"bias_correction": true}``.
+    ``args.onebit_args`` (JSON) adds keyword arguments, e.g. ``{"bias_correction": true}``;
+    ``clip_synced_momentum`` goes to 0/1 Adam only.
     """
     import hf_onebit
 
     extra = json.loads(args.onebit_args or "{}")
+    only_zeroone = {k: extra.pop(k) for k in ("clip_synced_momentum",) if k in extra}  # 0/1 Adam's own option
     if freeze == "auto":  # the automatic freeze with the bounds the HF integration fits to a run
         from hf_onebit.optim.freeze import AutoFreeze
 
@@ -136,7 +138,8 @@ def onebit_optimizer(method: str, params, args, freeze: int):
     if method == "zeroone_adam":
         scaled = dict(betas=(0.9, 0.99), var_update_scaler=max(1, estimate // 4),
                       local_step_scaler=max(1, args.steps // 10), local_step_clipper=16)
-        return hf_onebit.ZeroOneAdam(params, lr=args.lr, var_freeze_step=freeze, **{**scaled, **extra})  # --onebit-args wins
+        return hf_onebit.ZeroOneAdam(params, lr=args.lr, var_freeze_step=freeze,
+                                     **{**scaled, **extra, **only_zeroone})  # --onebit-args wins
     if method == "onebit_lamb":
         return hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=freeze, **extra)
     if method == "binsgdm":  # its vote sends signs only: no scale to take per tensor, no variance to clip by

@@ -75,13 +75,17 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             local steps) divide by ``max(sqrt(v̂), |m|/update_clip) + eps``, so no coordinate
             moves by more than ``update_clip·lr`` (plus weight decay); at a sync the move
             ``ū/(sqrt(v̂)+eps)`` is bounded the same way by ``update_clip·λ``, dividing by
-            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. A local step followed at once by a
-            sync (λ = lr, every step at the integration's defaults) adds its *unclipped* step to
-            the accumulator ``u``, which becomes the momentum at the sync and which a clipped
-            step would shrink. ``None`` (default): the spec's update.
+            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. ``None`` (default): the spec's update.
             It is 1-bit Adam's bound (see :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`) in
             0/1 Adam's two places where a stale variance meets compression noise. The HF
             integration passes 1.0.
+        clip_synced_momentum: with ``update_clip``, whether a local step followed at once by a
+            sync (λ = lr: every local-phase step with the default ``local_step_scaler``) adds its
+            clipped step to the accumulator ``u``, as every other local step does. ``u`` becomes
+            the momentum the sync restores, so ``True`` (default) clips the momentum itself to
+            ``update_clip·sqrt(v̂)``; ``False`` adds the unclipped step and leaves the bound to
+            the sync's clip (the same ``update_clip·lr`` here). Which is better depends on the
+            run (docs/algorithms.md, "Update clip"); the HF integration passes ``False``.
 
     Phases and what each step communicates (``n`` ranks):
 
@@ -164,8 +168,12 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         scale_per_tensor: bool = False,
         check_finite: bool = True,
         update_clip: float | None = None,
+        clip_synced_momentum: bool = True,
     ) -> None:
         self.update_clip = check_update_clip(update_clip)
+        if not isinstance(clip_synced_momentum, bool):
+            raise TypeError(f"clip_synced_momentum must be True or False, got {clip_synced_momentum!r}")
+        self.clip_synced_momentum = clip_synced_momentum
         self.init_freeze(var_freeze_step, "var_freeze_step")
         check_positive_int(var_update_scaler, "var_update_scaler")
         check_positive_int(local_step_scaler, "local_step_scaler")
@@ -400,11 +408,11 @@ class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             lr, wd = group["lr"], group["weight_decay"]
             clip = self.update_clip is not None
             # A sync right after this one local step (λ = lr): its bound c·λ is this step's bound,
-            # so a clipped u would only shrink the momentum the sync restores (u ⊙ (sqrt(v̂)+eps)/λ),
-            # step after step wherever the clip binds; u takes the unclipped step and the sync's
-            # clip bounds where the ranks land. After several local steps u takes the clipped ones,
-            # so the sync lands on the mean of where the ranks went (docs/algorithms.md).
-            lone = plan is Plan.SYNC_AFTER_STEP and state["lr_sum"] == 0.0
+            # so without clip_synced_momentum u takes the unclipped step (a clipped u clips the
+            # momentum the sync restores, u ⊙ (sqrt(v̂)+eps)/λ) and the sync's clip bounds where
+            # the ranks land. After several local steps u takes the clipped ones either way, so
+            # the sync lands on the mean of where the ranks went (docs/algorithms.md).
+            lone = not self.clip_synced_momentum and plan is Plan.SYNC_AFTER_STEP and state["lr_sum"] == 0.0
             delta = self._delta(p, m, self._denominator(state, group, m if clip and not lone else None), lr, wd)
             state["momentum_accumulator"].sub_(delta)
             if clip and lone:

@@ -116,7 +116,7 @@ def test_default_freeze_arguments_is_the_one_place_the_warmup_default_is_decided
     assert defaults.default_freeze_arguments("onebit_adam") == {"freeze_step": "auto", "scale_per_tensor": True,
                                                                 "update_clip": 1.0}
     assert defaults.default_freeze_arguments("zeroone_adam") == {"var_freeze_step": "auto", "scale_per_tensor": True,
-                                                                 "update_clip": 1.0}
+                                                                 "update_clip": 1.0, "clip_synced_momentum": False}
     assert defaults.default_freeze_arguments("onebit_lamb") == {"freeze_step": "auto", "scale_per_tensor": True,
                                                                 "update_clip": 1.0}
     assert defaults.default_freeze_arguments("binsgdm") == {}

@@ -48,12 +48,14 @@ class ZeroOneAdamSimulation:
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
-                 auto_mask=True, bias_correction=False, scale_per_tensor=False, update_clip=None):
+                 auto_mask=True, bias_correction=False, scale_per_tensor=False, update_clip=None,
+                 clip_synced_momentum=True):
         self.n = n
-        # hf_onebit's option: steps that do not update v divide by max(sqrt(v̂), |m|/c) + eps (a
-        # local step followed at once by a sync adds its unclipped step to u), and a sync moves
-        # by ū/(max(sqrt(v̂), |ū|/(c·λ)) + eps)
+        # hf_onebit's option: steps that do not update v divide by max(sqrt(v̂), |m|/c) + eps (with
+        # clip_synced_momentum=False a local step followed at once by a sync adds its unclipped
+        # step to u), and a sync moves by ū/(max(sqrt(v̂), |ū|/(c·λ)) + eps)
         self.clip = update_clip
+        self.clip_synced = clip_synced_momentum
         # hf_onebit's deviation (auto_mask): coordinates never non-zero on a variance step, or with
         # sqrt(v) < eps/100, keep zero momentum and zero synced update from the first compressing step
         self.auto_mask, self.mask = auto_mask, None
@@ -145,7 +147,7 @@ class ZeroOneAdamSimulation:
             self._freeze_mask()
             sync = t % self.local_interval == 0
             for r in range(n):
-                lone = sync and self.lam[r] == 0.0  # a sync right after this one local step
+                lone = not self.clip_synced and sync and self.lam[r] == 0.0  # a sync right after this one local step
                 for k in range(P):
                     self.m[r][k] = b1 * self.m[r][k] + (1 - b1) * grads[r][k]
                     self.m[r][k] = self.m[r][k] * self.mask[k]
@@ -321,11 +323,24 @@ def _clipped_run(rank, world_size):
     return train(rank, world_size, OPT, dict(KWARGS, update_clip=CLIP), STEPS, record_steps=True)
 
 
-def test_update_clip_matches_its_simulation_and_bounds_every_step():
+def _clipped_unclipped_momentum_run(rank, world_size):
+    return train(rank, world_size, OPT, dict(KWARGS, update_clip=CLIP, clip_synced_momentum=False), STEPS,
+                 record_steps=True)
+
+
+@pytest.mark.parametrize("clip_synced_momentum", [True, False])
+def test_update_clip_matches_its_simulation_and_bounds_every_step(clip_synced_momentum):
     """update_clip=c: a 1-bit gradient step or a local step moves no coordinate by more than c·lr
-    (plus weight decay), a sync moves none by more than c·λ from the last synced point."""
-    outs = run_distributed(_clipped_run, 2)
-    assert _check_against_simulation(outs, dict(KWARGS, update_clip=CLIP), STEPS, 2) == SCHEDULE
+    (plus weight decay), a sync moves none by more than c·λ from the last synced point; with
+    either accumulator rule (clip_synced_momentum)."""
+    outs = run_distributed(_clipped_run if clip_synced_momentum else _clipped_unclipped_momentum_run, 2)
+    kwargs = dict(KWARGS, update_clip=CLIP, clip_synced_momentum=clip_synced_momentum)
+    assert _check_against_simulation(outs, kwargs, STEPS, 2) == SCHEDULE
+    if not clip_synced_momentum:  # the two rules differ on this schedule (its interval-1 syncs)
+        sims = [ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 2, outs[0]["segments"],
+                                      **dict(kwargs, clip_synced_momentum=rule)) for rule in (False, True)]
+        assert any(not all(np.allclose(a, b) for a, b in zip(*(sim.step(_grads(step, 2))[0] for sim in sims)))
+                   for step in range(1, STEPS + 1))
     lr, wd, freeze = KWARGS["lr"], KWARGS["weight_decay"], KWARGS["var_freeze_step"]
     reached = {C: 0, L: 0, S: 0}
     for out in outs:
