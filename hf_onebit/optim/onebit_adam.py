@@ -22,9 +22,9 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.tensors import update_in_fp32_
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
+from hf_onebit.optim.tensors import update_in_fp32_
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
 from hf_onebit.optim.workspace import Workspace
 

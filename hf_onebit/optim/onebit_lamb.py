@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.tensors import logical, update_in_fp32_
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
+from hf_onebit.optim.tensors import logical, update_in_fp32_
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
 
 

@@ -29,11 +29,11 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.tensors import update_in_fp32_
-from hf_onebit.optim.validation import check_positive_int
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
+from hf_onebit.optim.tensors import update_in_fp32_
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
+from hf_onebit.optim.validation import check_positive_int
 
 
 class ZeroOneAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
