@@ -168,8 +168,10 @@ class OneBitHookState:
         skipped attempt's deferred error buffers were never committed). An ALLREDUCE step holds
         no error state, so it may repeat freely.
         """
-        for done in [s for s in self._attempt_finite if s < t]:  # flags of finished steps
-            del self._attempt_finite[done]
+        # Flags of finished steps. list() copies the keys in one step: bucket jobs of this step
+        # may be adding theirs on the communication thread while this iterates.
+        for done in [s for s in list(self._attempt_finite) if s < t]:
+            self._attempt_finite.pop(done, None)
         if self._last_call.get(key) == t and plan is not Plan.ALLREDUCE:
             if not self._previous_attempt_failed(key, t):
                 return None
