@@ -61,8 +61,7 @@ def attach(
     if any(id(p) not in module_ids for p in opt_params):
         raise ValueError("hf_onebit.attach: the optimizer holds parameters that are not parameters of the DDP model")
     check_sparse(ddp_model.module)
-    state = OneBitHookState(optimizer, ddp_model.process_group, grad_scaler, previous=optimizer.link)
-    optimizer.link = state  # the optimizer's one way to the network
+    state = OneBitHookState(optimizer, ddp_model.process_group, grad_scaler)  # becomes optimizer.link
     if optimizer.world_size == 1:
         logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
         return None

@@ -69,15 +69,23 @@ def _failed(exc: BaseException) -> torch.futures.Future:
 
 
 class OneBitHookState:
-    """What :func:`onebit_hook` needs for one DDP model: the optimizer, the process group, the
-    loss scaler if fp16 is used, and the protocol's memory (see the module docstring).
+    """What :func:`onebit_hook` needs for one DDP model: the optimizer, the process group
+    (``None``: the default group), the loss scaler if fp16 is used, and the protocol's memory
+    (see the module docstring).
 
-    ``previous``: the state of an earlier :func:`~hf_onebit.hook.attach` of the same optimizer
-    (a re-wrapped model); its layout memory carries over.
+    Constructing it makes it the optimizer's ``link`` (``hf_onebit.attach`` does, and so does a
+    hand-registered hook). An earlier state of the same optimizer (a re-wrapped model) hands its
+    layout memory over.
     """
 
-    def __init__(self, optimizer: OneBitOptimizer, process_group: Any = None, grad_scaler: Any = None,
-                 previous: Optional["OneBitHookState"] = None) -> None:
+    def __init__(self, optimizer: OneBitOptimizer, process_group: Any = None, grad_scaler: Any = None) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"OneBitHookState(optimizer, process_group=None, grad_scaler=None): process_group must be a"
+                f" torch.distributed.ProcessGroup, got {type(process_group).__name__} (pass a loss scaler as"
+                " grad_scaler=...)"
+            )
+        previous = optimizer.link
         self.optimizer = optimizer
         self.process_group = process_group
         self.grad_scaler = grad_scaler  # torch.amp.GradScaler or None
@@ -88,6 +96,7 @@ class OneBitHookState:
         #: step t whose buckets the hook saw (it communicated for t), and their keys
         self.layout_step: Optional[int] = previous.layout_step if previous is not None else None
         self.layout: list = list(previous.layout) if previous is not None else []
+        optimizer.link = self  # the optimizer's one way to the network
 
     # ---------------------------------------------------------------- the optimizer's handle
     @property

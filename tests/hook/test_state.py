@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_onebit.hook import OneBitHookState
@@ -39,7 +40,13 @@ def test_the_layout_memory_carries_over_to_a_new_attach():
     assert state.covered(5) is None
     state.layout_step, state.layout = 5, [(0, 2), (1,)]
     assert state.covered(5) == {0, 1, 2} and state.covered(6) is None
-    again = OneBitHookState(opt, previous=state)
-    assert again.covered(5) == {0, 1, 2}
+    again = OneBitHookState(opt)  # a re-attach: the new state becomes the optimizer's link
+    assert opt.link is again and again.covered(5) == {0, 1, 2}
     again.layout.append((3,))
     assert state.layout == [(0, 2), (1,)]  # a copy, not shared
+
+
+def test_a_scaler_passed_where_the_process_group_goes_is_refused():
+    opt, _ = _state()
+    with pytest.raises(TypeError, match="grad_scaler="):
+        OneBitHookState(opt, torch.amp.GradScaler("cpu"))
