@@ -455,15 +455,11 @@ def _rms_from_partials(partials: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _check_rows(bits: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
-    """``(n, row_bytes)`` of the ``(n, C // 8)`` bits matrix; validates ``scales``."""
-    if bits.dim() != 2:
-        raise ValueError(f"bits must have shape (n, C // 8), got {tuple(bits.shape)}")
+    """``(n, row_bytes)`` of the bits matrix, after the contract's row checks: what the kernels
+    add to them, contiguous ``bits`` and contiguous fp32 ``scales``."""
     contract.require(bits, "bits", torch.uint8)
-    n, row_bytes = bits.shape
-    contract.require(scales, "scales", torch.float32, numel=n)
-    if n == 0:
-        raise ValueError("bits must have at least one row")
-    return n, row_bytes
+    contract.require(scales, "scales", torch.float32)
+    return bits.shape
 
 
 def worker_scale(
@@ -580,7 +576,6 @@ def server_scale(
     contract.check_server(bits, scales if bounds is None else None, server_error)
     if bounds is not None:
         n, row_bytes, scales, table = _piece_rows(bits, scales, bounds, block)
-        contract.require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
         _same_device(bits, scales, server_error)
         bnd, starts, pieces, _, counts, tiles = table
         partials = torch.empty(tiles, dtype=torch.float64, device=bits.device)
@@ -593,7 +588,6 @@ def server_scale(
             return _piece_rms(partials, table)
     scales = scales.reshape(-1)
     n, row_bytes = _check_rows(bits, scales)
-    contract.require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
     _same_device(bits, scales, server_error)
     C = row_bytes * 8
     if C == 0:
@@ -628,10 +622,8 @@ def server_pack(
     if bounds is not None:
         n, row_bytes, scales, table = _piece_rows(bits, scales, bounds, block)
         bnd, starts, pieces, _, counts, tiles = table
-        contract.require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
         scale = scale.reshape(-1)
         contract.require(scale, "scale", torch.float32, numel=counts.numel())
-        contract.require(bits_out, "bits_out", torch.uint8, numel=row_bytes)
         _same_device(bits, scales, server_error, scale, bits_out)
         if tiles:
             with _on_device(bits):
@@ -643,10 +635,8 @@ def server_pack(
         return
     scales = scales.reshape(-1)
     n, row_bytes = _check_rows(bits, scales)
-    contract.require(server_error, "server_error", torch.float32, numel=row_bytes * 8)
     scale = scale.reshape(-1)
     contract.require(scale, "scale", torch.float32, numel=1)
-    contract.require(bits_out, "bits_out", torch.uint8, numel=row_bytes)
     _same_device(bits, scales, server_error, scale, bits_out)
     if row_bytes == 0:
         return
@@ -668,24 +658,17 @@ def unpack_scaled(
     (over all ``n·C`` elements), ``out[k] = scales[piece(k)] · sign⁺_k``.
     """
     _check_block(block)
-    contract.check_unpack(bits, scales if bounds is None else None, out)
-    if bits.dim() != 2:
-        raise ValueError(f"bits must have shape (n, C // 8), got {tuple(bits.shape)}")
-    contract.require(bits, "bits", torch.uint8)
-    n, row_bytes = bits.shape
+    n, row_bytes = contract.check_unpack(bits, scales if bounds is None else None, out)
+    contract.require(bits, "bits", torch.uint8)  # contiguous: the kernel indexes it flat
     scales = scales.reshape(-1)
     table = None
     if bounds is not None:
         table = _tables(bounds, n * row_bytes * 8, block, bits.device)
         if scales.numel() != table[4].numel():
             raise ValueError(f"scales must have {table[4].numel()} elements (one per piece), got {scales.numel()}")
-    elif scales.numel() != n:
-        raise ValueError(f"scales must have {n} elements, got {scales.numel()}")
     if out.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"out must be one of {_FLOAT_INPUTS}, got {out.dtype}")
     numel = out.numel()
-    if numel > n * row_bytes * 8:
-        raise ValueError(f"out has {numel} elements but bits hold only {n * row_bytes * 8}")
     _same_device(bits, scales, out)
     if numel == 0:
         return
@@ -799,13 +782,10 @@ def _worker_pack_pieces(x_flat, error, scales, rank, bits_out, bounds, block) ->
 
 
 def _piece_rows(bits: torch.Tensor, scales: torch.Tensor, bounds, block: int) -> tuple:
-    """Checks for the server piece variants: ``(n, row_bytes, scales (n, P), table)``."""
-    if bits.dim() != 2:
-        raise ValueError(f"bits must have shape (n, C // 8), got {tuple(bits.shape)}")
-    contract.require(bits, "bits", torch.uint8)
+    """Checks for the server piece variants, after the contract's row checks: ``(n, row_bytes,
+    scales (n, P), table)``."""
+    contract.require(bits, "bits", torch.uint8)  # contiguous: the kernels index it flat
     n, row_bytes = bits.shape
-    if n == 0:
-        raise ValueError("bits must have at least one row")
     table = _tables(bounds, row_bytes * 8, block, bits.device)
     P = table[4].numel()
     scales = scales.reshape(-1)
