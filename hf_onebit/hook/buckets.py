@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from hf_onebit.comm.segments import Segment
-from hf_onebit.optim import OneBitOptimizer, Plan
+from hf_onebit.optim import OneBitOptimizer
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -37,16 +37,17 @@ def bucket_gradients(bucket: dist.GradBucket) -> list:
     return out
 
 
-def compress_bucket(opt: OneBitOptimizer, plan: Plan, segments: list[Segment], params: list, buffer: torch.Tensor,
-                    grads: list, scale: torch.Tensor | None) -> torch.Tensor:
+def compress_bucket(opt: OneBitOptimizer, call, segments: list[Segment]) -> torch.Tensor:
     """Runs on the communication thread: the optimizer prepares what each parameter sends, each
     segment is compressed and exchanged, the optimizer writes each parameter's ``.grad``.
 
-    ``scale`` (the loss scaler's 0-dim scale tensor, or ``None``) stays on the device: a
+    ``call`` is the hook's :class:`~hf_onebit.hook.state.BucketCall`. Its ``scale`` (the loss
+    scaler's 0-dim scale tensor, or ``None``) stays on the device: a
     ``float()`` of it would stall the host until the GPU caught up, once per bucket. Its
     reciprocal is taken in fp64, as Python's ``1.0 / float(scale)`` was, so the unscaled
     values are bitwise those of a host-side scale.
     """
+    plan, params, buffer, grads, scale = call.plan, call.params, call.buffer, call.grads, call.scale
     inv = None if scale is None else torch.reciprocal(scale.to(torch.float64))
     all_params = opt.params_in_order()
     seg0 = segments[0]

@@ -165,7 +165,7 @@ class OneBitHookState:
             return self.submit(buffer.device, self._with_context(t, plan, lambda: mean(buffer)))
         if plan in (Plan.COMPRESS_MOMENTUM, Plan.COMPRESS_GRADIENT):
             segments = opt.segments.for_bucket(key, buffer.device)
-            job = lambda: self._noted(call, compress_bucket(opt, plan, segments, params, buffer, grads, scale))  # noqa: E731
+            job = lambda: self._noted(call, compress_bucket(opt, call, segments))  # noqa: E731
             return self.submit(buffer.device, self._with_context(t, plan, job))
         return opt.exchange_bucket(call, self)  # a plan of the optimizer's own (BinSGDM's vote)
 

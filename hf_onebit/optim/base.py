@@ -63,8 +63,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 if p.is_sparse:
                     raise ValueError("hf_onebit optimizers do not support sparse parameters")
         self.comm_stats = CommStats()
-        #: The hook state (:class:`hf_onebit.hook.OneBitHookState`) set by ``hf_onebit.attach``:
-        #: this optimizer's one way to the network (``None``: not attached).
+        #: The hook state (:class:`hf_onebit.hook.OneBitHookState`), which sets itself here when
+        #: built (``hf_onebit.attach`` builds it): this optimizer's one way to the network
+        #: (``None``: not attached).
         self.link = None
         self._workspace = Workspace()  # the step's temporaries (see workspace.py)
         self.steps_done = 0  # optimizer steps completed (t of the last step)
@@ -107,7 +108,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """Write the fp32 vector to communicate for parameter ``p`` into ``out`` (flat).
 
         ``inv_scale``: ``None`` without a loss scaler, else what unscales ``grad`` (the hook
-        passes a 0-dim tensor on the device, see :meth:`_compress_bucket`; never compare it
+        passes a 0-dim tensor on the device, see :func:`hf_onebit.hook.buckets.compress_bucket`; never compare it
         with a number, which would wait for the device).
         """
         if plan is Plan.COMPRESS_GRADIENT:
