@@ -18,7 +18,6 @@ def looks_like_adam(state_dict: dict) -> bool:
     return bool(states) and all({"step", "exp_avg", "exp_avg_sq"} <= set(s) <= adam_keys for s in states)
 
 
-
 def import_adam_state(opt: OneBitOptimizer, state_dict: dict) -> None:
     """Continue from a ``torch.optim.Adam``/``AdamW`` checkpoint: its moments and step count.
 

@@ -32,7 +32,6 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
-
 def check_synced(opt: OneBitOptimizer, t: int) -> bool:
     """Whether the hook communicated for step ``t``; raise if it should have and did not."""
     if opt.world_size == 1:

@@ -19,12 +19,10 @@ def write_flat_(dst: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return dst.copy_(flat.view(dst.shape))
 
 
-
 def logical(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if contiguous, else a contiguous copy: reductions over it then sum in logical
     order, so a channels_last tensor reduces bitwise like the same values stored contiguously."""
     return t if t.is_contiguous() else t.contiguous()
-
 
 
 def update_in_fp32_(p: torch.Tensor, update: Callable[[torch.Tensor], object]) -> None:

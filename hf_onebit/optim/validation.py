@@ -12,12 +12,10 @@ def check_betas(betas: Sequence[float], name: str = "betas") -> None:
             raise ValueError(f"{name} must lie in [0, 1), got {tuple(betas)}")
 
 
-
 def check_common(lr: float, eps: float, weight_decay: float) -> None:
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         if not value >= 0.0:  # NaN fails too
             raise ValueError(f"{name} must be >= 0, got {value}")
-
 
 
 def check_positive_int(value: int, name: str) -> None:
