@@ -80,7 +80,6 @@ is a swap, not a copy) plus about 9 bytes per bucket element of reusable work bu
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -89,78 +88,15 @@ from hf_onebit.comm import CommStats
 from hf_onebit.comm.allreduce import finite_flag
 from hf_onebit.comm.topology import node_topology
 from hf_onebit.comm.vote import VoteAllGather
-from hf_onebit.kernels import get_backend
 from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
-from hf_onebit.optim.tensors import update_in_fp32_, write_flat_
+from hf_onebit.optim.tensors import write_flat_
 from hf_onebit.optim.validation import check_betas
+from hf_onebit.optim.vote_core import VoteLayout, build_layout, vote_threshold_, vote_update_
+from hf_onebit.optim.vote_state import VoteMomenta
 from hf_onebit.optim.vote_streams import MASK64, NODE_STREAM, VoteStream
 
 
-def vote_threshold_(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
-                    m_out: torch.Tensor, b_out: torch.Tensor, theta: torch.Tensor, tmp: torch.Tensor) -> None:
-    """The worker math of one parameter (flat fp32 views), the functional core.
-
-    ``m_out = β·m + (1-β)·g``, ``b_out = β·b + (1-β)·|g|``, ``theta = (1 + m_out/(b_out+eps))/2``,
-    the probability of a ``+1`` vote. Every operation is rounded on its own (no fused
-    multiply-add), so a plain float32 re-implementation reproduces it bitwise. The CPU kernel
-    backend has it as one fused pass (``kernels.cpu.vote_threshold``, bitwise the same), taken
-    for contiguous fp32 tensors; ``HF_ONEBIT_KERNELS=reference`` keeps the torch operations.
-    """
-    backend = get_backend(m.device)
-    fused = getattr(backend, "vote_threshold", None)
-    tensors = (m, b, g, m_out, b_out, theta)
-    if fused is not None and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
-        fused(m, b, g, beta=beta, eps=eps, m_out=m_out, b_out=b_out, theta=theta)
-        return
-    torch.mul(g, 1.0 - beta, out=tmp)
-    torch.mul(m, beta, out=m_out)
-    m_out.add_(tmp)
-    torch.abs(g, out=tmp)
-    tmp.mul_(1.0 - beta)
-    torch.mul(b, beta, out=b_out)
-    b_out.add_(tmp)
-    torch.add(b_out, eps, out=theta)
-    torch.div(m_out, theta, out=theta)
-    if eps == 0.0:  # 0/0 where the coordinate never had a gradient: z = 0 (|m| <= b = 0)
-        theta.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-    theta.add_(1.0).mul_(0.5)
-
-
-def vote_update_(p: torch.Tensor, q: torch.Tensor, *, lr: float, weight_decay: float) -> None:
-    """``p = p·(1 - lr·wd) - lr·q`` (decoupled decay, AdamW order), fp32 math, one rounding."""
-    step = torch.mul(q.float() if q.dtype != torch.float32 else q, lr)
-
-    def update(w: torch.Tensor) -> None:
-        if weight_decay:
-            w.mul_(1.0 - lr * weight_decay)
-        w.sub_(step)
-
-    update_in_fp32_(p, update)
-
-
-@dataclass
-class _Item:
-    index: int  # position in the optimizer's parameter order (names the random stream)
-    param: torch.Tensor
-    offset: int
-    numel: int
-
-
-@dataclass
-class _Layout:
-    """Work buffers of one DDP bucket (reused every step)."""
-
-    key: tuple[int, ...]
-    items: list[_Item]
-    numel: int
-    padded: int  # multiple of 8 (flat) or 8·k (hierarchical): VoteAllGather.padded_length
-    theta: torch.Tensor  # fp32 [padded], P(+1); zero in the padding
-    uniform: torch.Tensor  # fp32 [numel]: scratch of the worker math, then the draws
-    votes: torch.Tensor  # bool [padded]; False in the padding
-    scratch: torch.Tensor | None = None  # fp32 [numel], only for bf16/fp16 buckets
-
-
-class BinSGDM(OneBitOptimizer):
+class BinSGDM(VoteMomenta, OneBitOptimizer):
     """BinSGDM (Birder) for DDP: stochastic 1-bit votes of ``m/b``, no warmup, no error feedback.
 
     Args:
@@ -207,12 +143,9 @@ class BinSGDM(OneBitOptimizer):
         #: Traffic between nodes only (hierarchical mode), counted like ``comm_stats``.
         self.inter_node_stats = CommStats()
         self._vote: VoteAllGather | None = None  # made at the first vote (attach sets the group)
-        self._layouts: dict[tuple[int, ...], _Layout] = {}
-        self._next: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # idx -> pending (m, b)
-        self._pending_t: dict[int, int] = {}  # idx -> step whose pending (m, b) the hook wrote
+        self._layouts: dict[tuple[int, ...], VoteLayout] = {}
         self._streams: dict[int, VoteStream] = {}
-        self._loaded_vote_state: dict | None = None
-        self._warned_fresh = False
+        self.init_vote_momenta()
         if hierarchical and dist.is_initialized():
             self._nodes(dist.get_world_size(), None, explicit=True)
 
@@ -272,107 +205,6 @@ class BinSGDM(OneBitOptimizer):
             s = self._streams[stream] = VoteStream(self.seed, stream)
         return s
 
-    # ---------------------------------------------------------------- state
-    def _materialize(self, idx: int, p: torch.Tensor) -> dict:
-        """``m, b`` of parameter ``idx`` (restored from per-rank state, or zeros) and pending buffers."""
-        state = self.state[p]
-        loaded = self._loaded_vote_state
-        if loaded is not None and idx in loaded["params"]:
-            if loaded["steps_done"] != self.steps_done:
-                raise RuntimeError(
-                    f"BinSGDM: the per-rank state was saved after step {loaded['steps_done']}, but the"
-                    f" optimizer is at step {self.steps_done}: load the state_dict() and the per-rank state"
-                    " of the same checkpoint"
-                )
-            entry = loaded["params"].pop(idx)
-            for name in ("momentum", "abs_momentum"):
-                state[name] = entry[name].to(device=p.device, dtype=torch.float32).reshape(p.shape).clone()
-        elif "momentum" not in state:
-            if self.steps_done > 0 and not self._warned_fresh:
-                self._warned_fresh = True
-                logger.warning(
-                    "hf_onebit BinSGDM: step %d without per-rank state for rank %d: m and b restart from zero"
-                    " (save and load rank_state_dict() with the checkpoint to resume exactly)",
-                    self.steps_done + 1, self.rank,
-                )
-            state["momentum"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            state["abs_momentum"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        if idx not in self._next:
-            self._next[idx] = (torch.empty_like(state["momentum"]), torch.empty_like(state["abs_momentum"]))
-        return state
-
-    def _commit(self, idx: int, p: torch.Tensor) -> None:
-        """Make the pending ``m, b`` of ``idx`` current (swap, no copy)."""
-        state = self.state[p]
-        m_next, b_next = self._next[idx]
-        self._next[idx] = (state["momentum"], state["abs_momentum"])
-        state["momentum"], state["abs_momentum"] = m_next, b_next
-        self._pending_t.pop(idx, None)
-
-    def state_dict(self) -> dict:
-        """Shared state only (step counter, seed, hyper-parameters); never communicates.
-
-        ``m`` and ``b`` differ per rank and are left out: see :meth:`rank_state_dict`.
-        """
-        sd = super().state_dict()
-        state = {}
-        for i, s in sd["state"].items():
-            rest = {k: v for k, v in s.items() if k not in ("momentum", "abs_momentum")}
-            if rest:
-                state[i] = rest
-        sd["state"] = state
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._next.clear()
-        self._pending_t.clear()
-
-    def rank_state_dict(self) -> dict:
-        """This rank's ``m``, ``b`` per parameter index (plus the base's entries and the seed)."""
-        sd = super().rank_state_dict()
-        params = {}
-        for idx, p in enumerate(self.params_in_order()):
-            s = self.state.get(p, {})
-            if "momentum" in s:
-                params[idx] = {"momentum": s["momentum"].detach().clone(), "abs_momentum": s["abs_momentum"].detach().clone()}
-        loaded = self._loaded_vote_state
-        if loaded is not None:  # restored but not used yet: keep it
-            for idx, entry in loaded["params"].items():
-                params.setdefault(idx, entry)
-        sd["binsgdm"] = {"seed": self.seed, "params": params}
-        return sd
-
-    def reset_rank_state(self) -> None:
-        """Error state (none here) and this rank's ``m, b`` start from zero."""
-        super().reset_rank_state()
-        for p in self.params_in_order():
-            s = self.state.get(p)
-            if s:
-                s.pop("momentum", None)
-                s.pop("abs_momentum", None)
-        self._next.clear()
-        self._pending_t.clear()
-        self._loaded_vote_state = None
-        self._warned_fresh = True  # the caller already warned about the reset
-
-    def load_rank_state_dict(self, state: dict) -> None:
-        """Restore :meth:`rank_state_dict` output of *this* rank; applied lazily at first use."""
-        super().load_rank_state_dict(state)
-        if state["rank"] != self.rank:
-            raise ValueError(f"BinSGDM: per-rank state of rank {state['rank']} loaded on rank {self.rank}")
-        vote = state.get("binsgdm")
-        if vote is None:
-            raise ValueError("BinSGDM: this per-rank state was not saved by BinSGDM (no 'binsgdm' entry)")
-        for p in self.params_in_order():
-            s = self.state.get(p)
-            if s:
-                s.pop("momentum", None)
-                s.pop("abs_momentum", None)
-        self._next.clear()
-        self._pending_t.clear()
-        self._loaded_vote_state = {"steps_done": int(state["steps_done"]), "params": dict(vote["params"])}
-
     # ---------------------------------------------------------------- the hook side
     def exchange_bucket(self, call, link) -> torch.futures.Future:
         """The VOTE plan on one bucket (see :class:`hf_onebit.hook.BucketCall`): local votes,
@@ -386,28 +218,16 @@ class BinSGDM(OneBitOptimizer):
             self._pending_t[item.index] = call.t
         return link.submit(call.buffer.device, lambda: self._vote_bucket(layout, vote, call, link))
 
-    def _layout_for(self, key, params, device, vote: VoteAllGather) -> _Layout:
+    def _layout_for(self, key, params, device, vote: VoteAllGather) -> VoteLayout:
         layout = self._layouts.get(key)
-        if layout is not None:
-            return layout
-        for other in [k for k in self._layouts if set(k) & set(key)]:
-            del self._layouts[other]  # DDP rebuilt its buckets
-        items, off = [], 0
-        for idx, p in zip(key, params):
-            items.append(_Item(idx, p, off, p.numel()))
-            off += p.numel()
-        padded = vote.padded_length(off)
-        f32 = dict(dtype=torch.float32, device=device)
-        layout = _Layout(
-            key, items, off, padded,
-            theta=torch.zeros(padded, **f32),
-            uniform=torch.empty(off, **f32),
-            votes=torch.zeros(padded, dtype=torch.bool, device=device),
-        )
-        self._layouts[key] = layout
+        if layout is None:
+            for other in [k for k in self._layouts if set(k) & set(key)]:
+                del self._layouts[other]  # DDP rebuilt its buckets
+            total = sum(p.numel() for p in params)
+            layout = self._layouts[key] = build_layout(key, params, device, vote.padded_length(total))
         return layout
 
-    def _vote_bucket(self, layout: _Layout, vote: VoteAllGather, call, link) -> torch.Tensor:
+    def _vote_bucket(self, layout: VoteLayout, vote: VoteAllGather, call, link) -> torch.Tensor:
         """Runs on the communication thread: local state, local votes, exchange, ``.grad = q̄``.
 
         No value goes to the host (on CUDA that would wait for the GPU): the loss scale stays a

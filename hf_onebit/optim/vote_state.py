@@ -1,0 +1,124 @@
+"""BinSGDM's per-rank momenta ``m, b``: where they live, how they are committed, saved and restored.
+
+Each rank keeps its own ``m`` and ``b`` (``optimizer.state[p]["momentum"]``,
+``["abs_momentum"]``). The hook writes the new ones into *pending* buffers; ``step()`` commits
+them with a swap, so a step that never happens leaves them untouched. They differ per rank, so
+they are not in ``state_dict()`` but in ``rank_state_dict()``; a restored copy is applied lazily,
+at the parameter's first use, after checking that it belongs to the same step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_onebit.optim.base import logger
+
+
+class VoteMomenta:
+    """Mixin of :class:`~hf_onebit.optim.binsgdm.BinSGDM` (before ``OneBitOptimizer`` in its bases)."""
+
+    def init_vote_momenta(self) -> None:
+        self._next: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # idx -> pending (m, b)
+        self._pending_t: dict[int, int] = {}  # idx -> step whose pending (m, b) the hook wrote
+        self._loaded_vote_state: dict | None = None
+        self._warned_fresh = False
+
+    def _materialize(self, idx: int, p: torch.Tensor) -> dict:
+        """``m, b`` of parameter ``idx`` (restored from per-rank state, or zeros) and pending buffers."""
+        state = self.state[p]
+        loaded = self._loaded_vote_state
+        if loaded is not None and idx in loaded["params"]:
+            if loaded["steps_done"] != self.steps_done:
+                raise RuntimeError(
+                    f"BinSGDM: the per-rank state was saved after step {loaded['steps_done']}, but the"
+                    f" optimizer is at step {self.steps_done}: load the state_dict() and the per-rank state"
+                    " of the same checkpoint"
+                )
+            entry = loaded["params"].pop(idx)
+            for name in ("momentum", "abs_momentum"):
+                state[name] = entry[name].to(device=p.device, dtype=torch.float32).reshape(p.shape).clone()
+        elif "momentum" not in state:
+            if self.steps_done > 0 and not self._warned_fresh:
+                self._warned_fresh = True
+                logger.warning(
+                    "hf_onebit BinSGDM: step %d without per-rank state for rank %d: m and b restart from zero"
+                    " (save and load rank_state_dict() with the checkpoint to resume exactly)",
+                    self.steps_done + 1, self.rank,
+                )
+            state["momentum"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["abs_momentum"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if idx not in self._next:
+            self._next[idx] = (torch.empty_like(state["momentum"]), torch.empty_like(state["abs_momentum"]))
+        return state
+
+    def _commit(self, idx: int, p: torch.Tensor) -> None:
+        """Make the pending ``m, b`` of ``idx`` current (swap, no copy)."""
+        state = self.state[p]
+        m_next, b_next = self._next[idx]
+        self._next[idx] = (state["momentum"], state["abs_momentum"])
+        state["momentum"], state["abs_momentum"] = m_next, b_next
+        self._pending_t.pop(idx, None)
+
+    def state_dict(self) -> dict:
+        """Shared state only (step counter, seed, hyper-parameters); never communicates.
+
+        ``m`` and ``b`` differ per rank and are left out: see :meth:`rank_state_dict`.
+        """
+        sd = super().state_dict()
+        state = {}
+        for i, s in sd["state"].items():
+            rest = {k: v for k, v in s.items() if k not in ("momentum", "abs_momentum")}
+            if rest:
+                state[i] = rest
+        sd["state"] = state
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._next.clear()
+        self._pending_t.clear()
+
+    def rank_state_dict(self) -> dict:
+        """This rank's ``m``, ``b`` per parameter index (plus the base's entries and the seed)."""
+        sd = super().rank_state_dict()
+        params = {}
+        for idx, p in enumerate(self.params_in_order()):
+            s = self.state.get(p, {})
+            if "momentum" in s:
+                params[idx] = {"momentum": s["momentum"].detach().clone(), "abs_momentum": s["abs_momentum"].detach().clone()}
+        loaded = self._loaded_vote_state
+        if loaded is not None:  # restored but not used yet: keep it
+            for idx, entry in loaded["params"].items():
+                params.setdefault(idx, entry)
+        sd["binsgdm"] = {"seed": self.seed, "params": params}
+        return sd
+
+    def reset_rank_state(self) -> None:
+        """Error state (none here) and this rank's ``m, b`` start from zero."""
+        super().reset_rank_state()
+        for p in self.params_in_order():
+            s = self.state.get(p)
+            if s:
+                s.pop("momentum", None)
+                s.pop("abs_momentum", None)
+        self._next.clear()
+        self._pending_t.clear()
+        self._loaded_vote_state = None
+        self._warned_fresh = True  # the caller already warned about the reset
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        """Restore :meth:`rank_state_dict` output of *this* rank; applied lazily at first use."""
+        super().load_rank_state_dict(state)
+        if state["rank"] != self.rank:
+            raise ValueError(f"BinSGDM: per-rank state of rank {state['rank']} loaded on rank {self.rank}")
+        vote = state.get("binsgdm")
+        if vote is None:
+            raise ValueError("BinSGDM: this per-rank state was not saved by BinSGDM (no 'binsgdm' entry)")
+        for p in self.params_in_order():
+            s = self.state.get(p)
+            if s:
+                s.pop("momentum", None)
+                s.pop("abs_momentum", None)
+        self._next.clear()
+        self._pending_t.clear()
+        self._loaded_vote_state = {"steps_done": int(state["steps_done"]), "params": dict(vote["params"])}
