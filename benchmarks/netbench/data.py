@@ -82,14 +82,23 @@ def mlm_batches(blocks, steps: int, batch: int, rank: int, world: int, seed: int
 
 
 def load_task(eval_size: int):
-    """Sentiment snippets as (text, label) pairs, fresh = 1, rotten = 0: (train, eval), a fixed split."""
+    """The GLUE recipe's Rotten Tomatoes split as (text, label) pairs, fresh = 1, rotten = 0: (train, eval).
+
+    The same examples as ``recipes/glue/glue_data.split_examples`` (deduplicated, dev by a hash
+    of the text), so benchmark and recipe results are on the same data: train is the recipe's
+    train split, eval the first ``eval_size`` of its dev split in a fixed shuffled order.
+    """
+    import sys
+
     import torch
 
-    rows = [r for r in load_corpus() if r["category"] in ("fresh", "rotten")]
-    data = [(r["text"], 1 if r["category"] == "fresh" else 0) for r in rows]
-    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
-    data = [data[i] for i in order]
-    return data[eval_size:], data[:eval_size]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes" / "glue"))
+    import glue_data
+
+    train, dev, _ = glue_data.split_examples(glue_data.read_source(glue_data.find_source()))
+    order = torch.randperm(len(dev), generator=torch.Generator().manual_seed(0)).tolist()
+    return ([(e["sentence"], e["label"]) for e in train],
+            [(dev[i]["sentence"], dev[i]["label"]) for i in order[:eval_size]])
 
 
 def encode(tok, items, max_len: int):
