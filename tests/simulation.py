@@ -34,6 +34,11 @@ class SpecSimulation:
         self.worker_error = [np.zeros(self.L, np.float32) for _ in range(n)]
         self.server_error = [np.zeros(self.C, np.float32) for _ in range(n)]
 
+    def reset(self) -> None:
+        """Zero every error buffer (0/1 Adam, entering its local phase)."""
+        self.worker_error = [np.zeros_like(e) for e in self.worker_error]
+        self.server_error = [np.zeros_like(e) for e in self.server_error]
+
     def step(self, xs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         n, C = self.n, self.C
         signs, scales, packed = [], [], []
@@ -85,6 +90,11 @@ class PieceSpecSimulation:
         self.worker_error = [np.zeros(self.L, np.float32) for _ in range(n)]
         self.server_error = [np.zeros(self.C, np.float32) for _ in range(n)]
 
+    def reset(self) -> None:
+        """Zero every error buffer (0/1 Adam, entering its local phase)."""
+        self.worker_error = [np.zeros_like(e) for e in self.worker_error]
+        self.server_error = [np.zeros_like(e) for e in self.server_error]
+
     def _piece_rms(self, y: np.ndarray, offset: int) -> np.ndarray:
         """Per-element RMS of the piece each element of ``y`` (starting at ``offset``) is in."""
         ids = self.piece_of[offset: offset + y.size]
@@ -121,23 +131,84 @@ class PieceSpecSimulation:
         return result[: self.numel]
 
 
+class NodeSpecSimulation:
+    """The exchange by node (hf_onebit.comm.hierarchical) of ``nodes × local_size`` workers.
+
+    Worker ``r`` is local rank ``r % k`` of node ``r // k``. The buffer is padded to ``k·S``
+    (``S = ceil(numel / k)``); shard ``l`` of each node's fp32 mean ``Σ x_r/k`` (in local-rank
+    order) goes through spec §1 among the nodes, with error state of its own (and, with
+    ``tensor_sizes``, one scale per tensor piece *of the shard*: the tensors cut at the shard's
+    ends, the padding added to the last); the averaged shards, concatenated, are the result.
+    A non-finite input anywhere makes every shard's input NaN.
+    """
+
+    def __init__(self, numel: int, nodes: int, local_size: int, tensor_sizes: list[int] | None = None) -> None:
+        self.numel, self.M, self.k = numel, nodes, local_size
+        self.S = -(-numel // local_size)
+        self.shards = []
+        for l in range(local_size):
+            if tensor_sizes is None:
+                self.shards.append(SpecSimulation(self.S, nodes))
+                continue
+            lo, hi, sizes, start = l * self.S, (l + 1) * self.S, [], 0
+            for size in tensor_sizes:
+                inside = min(hi, start + size) - max(lo, start)
+                if inside > 0:
+                    sizes.append(inside)
+                start += size
+            sizes = sizes[:-1] + [sizes[-1] + self.S - sum(sizes)] if sizes else [self.S]
+            self.shards.append(PieceSpecSimulation(self.S, nodes, sizes))
+
+    def reset(self) -> None:
+        for sim in self.shards:
+            sim.reset()
+
+    def step(self, xs: list[np.ndarray]) -> np.ndarray:
+        k, S = self.k, self.S
+        poisoned = not all(np.isfinite(x).all() for x in xs)
+        means = []
+        for node in range(self.M):
+            acc = np.zeros(k * S, np.float32)
+            for r in range(node * k, (node + 1) * k):
+                y = np.zeros(k * S, np.float32)
+                y[: xs[r].size] = xs[r]
+                acc = (acc + (y / np.float32(k)).astype(np.float32)).astype(np.float32)
+            means.append(np.full(k * S, np.nan, np.float32) if poisoned else acc)
+        result = np.zeros(k * S, np.float32)
+        for l, sim in enumerate(self.shards):
+            part = slice(l * S, (l + 1) * S)
+            out = sim.step([m[part] for m in means])
+            result[part] = out[0] if isinstance(out, tuple) else out
+        return result[: self.numel]
+
+
+def exchange(numel: int, n: int, tensor_sizes: list[int] | None = None, nodes: tuple[int, int] | None = None):
+    """The simulated exchange of one buffer of ``n`` workers: spec §1 (one scale per chunk, or per
+    tensor piece with ``tensor_sizes``), or by node with ``nodes = (M, k)``."""
+    if nodes is not None:
+        assert nodes[0] * nodes[1] == n
+        return NodeSpecSimulation(numel, nodes[0], nodes[1], tensor_sizes)
+    if tensor_sizes is not None:
+        return PieceSpecSimulation(numel, n, tensor_sizes)
+    return SpecSimulation(numel, n)
+
+
 # ---------------------------------------------------------------- 1-bit Adam (spec §2)
 class OneBitAdamSimulation:
     """n ranks of 1-bit Adam, one compressed buffer per segment (a list of parameter indices)."""
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
-                 freeze_step=10, bias_correction=True, auto_mask=True, scale_per_tensor=False, update_clip=None):
+                 freeze_step=10, bias_correction=True, auto_mask=True, scale_per_tensor=False, update_clip=None,
+                 nodes=None):
         self.auto_mask, self.update_clip = auto_mask, update_clip
         self.p = [np.array(x, np.float32) for x in params]
         self.m = [np.zeros_like(x) for x in self.p]
         self.v = [np.zeros_like(x) for x in self.p]
         self.seen = [np.zeros(x.shape, bool) for x in self.p]  # averaged gradient ever non-zero
         self.n, self.segments = n, segments
-        if scale_per_tensor:
-            self.comm = {tuple(s): PieceSpecSimulation(sum(self.p[i].size for i in s), n, [self.p[i].size for i in s])
-                         for s in segments}
-        else:
-            self.comm = {tuple(s): SpecSimulation(sum(self.p[i].size for i in s), n) for s in segments}
+        self.comm = {tuple(s): exchange(sum(self.p[i].size for i in s), n,
+                                        [self.p[i].size for i in s] if scale_per_tensor else None, nodes)
+                     for s in segments}
         self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, wd
         self.F, self.bc, self.t = freeze_step, bias_correction, 0
 

@@ -7,6 +7,8 @@ import torch.distributed as dist
 
 #: torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single``; support both.
 all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: ... and ``reduce_scatter_tensor`` to ``reduce_scatter_single``.
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_bytes(data: bytes, device: torch.device, group) -> list[bytes]:

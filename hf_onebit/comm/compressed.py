@@ -324,6 +324,11 @@ class CompressedAllReduce:
         option, for one scale) may differ from this one: a warning is logged and the errors
         carry over (they are residuals in the buffer's coordinates, valid under any layout).
         """
+        if "nodes" in state:
+            raise ValueError(
+                f"compression state was saved by the exchange by node ({state['nodes'][0]} nodes of"
+                f" {state['nodes'][1]} ranks); this buffer uses the flat exchange"
+            )
         if state["numel"] != self.numel or state["world_size"] != self.world_size:
             raise ValueError(
                 "compression state was saved for a buffer of {} elements on {} ranks, this one has"
