@@ -18,8 +18,8 @@ Policies when the file cannot be used as is (``on_mismatch``):
 * ``"reset"``: start this rank's compression state afresh (a warning says so): error buffers
   zero, 0/1 Adam accumulators empty and its parameters those of the model checkpoint, BinSGDM
   moments zero. Moments and the frozen variance from ``state_dict()`` are kept. This is also the
-  policy for resuming on a different world size, where error buffers cannot be re-split
-  meaningfully (each rank's server error belongs to a chunk that no longer exists).
+  policy for resuming on a different world size or node layout, where error buffers cannot be
+  re-split meaningfully (each rank's server error belongs to a chunk that no longer exists).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from hf_onebit.optim import rank_state
 from hf_onebit.optim.base import OneBitOptimizer, logger
 
 FORMAT_VERSION = 1
@@ -56,6 +57,7 @@ def save_rank_state(optimizer: OneBitOptimizer, directory: str) -> str:
         "optimizer": type(optimizer).__name__,
         "rank": rank,
         "world_size": world,
+        "nodes": rank_state.node_layout(optimizer),
         "steps_done": optimizer.steps_done,
         "sha256": hashlib.sha256(data).hexdigest(),
         "bytes": len(data),
@@ -83,6 +85,7 @@ def _verified_state(optimizer: OneBitOptimizer, pt_path: str, json_path: str) ->
         "optimizer": type(optimizer).__name__,
         "rank": optimizer.rank,
         "world_size": optimizer.world_size,
+        "nodes": rank_state.node_layout(optimizer),  # absent (flat) in files from before the exchange by node
     }
     for key, want in expected.items():
         if meta.get(key) != want:

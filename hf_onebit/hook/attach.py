@@ -72,6 +72,16 @@ def attach(
                                  for d in (p.dtype, torch.float32)}, key=str):
         self_test(device, dtype)
     _check_same_on_every_rank(optimizer, ddp_model.process_group)
+    nodes = optimizer.nodes()
+    if nodes is not None:
+        # Collective: every rank creates every subgroup, in the same order, here and not inside
+        # a backward pass.
+        nodes.create_groups()
+        if optimizer.rank == 0:
+            logger.warning(
+                "hf_onebit %s: exchange by node, %d nodes of %d ranks: full precision inside a node,"
+                " 1 bit between nodes", type(optimizer).__name__, nodes.nodes, nodes.local_size,
+            )
     ddp_model.register_comm_hook(state, onebit_hook)
     return state
 
@@ -108,6 +118,7 @@ def _fingerprint(optimizer: OneBitOptimizer) -> dict:
     """What must be identical on every rank: class, hyperparameters, counters, parameter shapes."""
     return {
         "optimizer": type(optimizer).__name__,
+        "hierarchical": optimizer.hierarchical,
         "global": optimizer.global_state(),
         "param_groups": [
             {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}

@@ -27,7 +27,9 @@ import torch.distributed as dist
 from hf_onebit.comm import CompressedAllReduce, MeanAllReduce, executor_for
 from hf_onebit.comm.allreduce import finite_flag, poison_unless_all_finite_
 from hf_onebit.comm.failures import with_failure_context
+from hf_onebit.comm.hierarchical import HierarchicalCompressedAllReduce
 from hf_onebit.comm.segments import Segment
+from hf_onebit.comm.topology import NodeTopology
 from hf_onebit.hook.buckets import bucket_gradients, compress_bucket
 from hf_onebit.optim import OneBitOptimizer, Plan
 
@@ -115,8 +117,15 @@ class OneBitHookState:
         not run for ``t``)."""
         return set().union(*self.layout) if self.layout_step == t else None
 
-    def new_compressor(self, numel: int, device: torch.device, piece_sizes: Optional[list] = None) -> CompressedAllReduce:
-        """The compressed all-reduce of a new segment of ``numel`` elements."""
+    def new_compressor(self, numel: int, device: torch.device, piece_sizes: Optional[list] = None,
+                       nodes: Optional[NodeTopology] = None) -> Any:
+        """The compressed all-reduce of a new segment of ``numel`` elements: flat, or by node
+        when the optimizer has a node layout (``nodes``, its groups created by ``attach``)."""
+        if nodes is not None:
+            return HierarchicalCompressedAllReduce(
+                numel, device, nodes, stats=self.optimizer.comm_stats,
+                inter_node_stats=self.optimizer.inter_node_stats, deferred_commit=self.scaled, piece_sizes=piece_sizes,
+            )
         return CompressedAllReduce(
             numel, device=device, group=self.process_group, stats=self.optimizer.comm_stats,
             deferred_commit=self.scaled,  # a loss scaler may skip the step

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce
 from hf_onebit.comm.segments import Segment, SegmentRegistry
+from hf_onebit.comm.topology import NodeTopology, node_topology
 from hf_onebit.optim import adam_state, guards, rank_state
 from hf_onebit.optim.tensors import write_flat_
 from hf_onebit.optim.validation import check_betas, check_common
@@ -47,9 +48,12 @@ class OneBitOptimizer(torch.optim.Optimizer):
     :meth:`rank_state_dict`.
     """
 
-    def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False, check_finite: bool = True) -> None:
+    def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False, check_finite: bool = True,
+                 hierarchical: bool | None = False) -> None:
         if not isinstance(check_finite, bool):
             raise TypeError(f"{type(self).__name__}: check_finite must be True or False, got {check_finite!r}")
+        if hierarchical is not None and not isinstance(hierarchical, bool):
+            raise TypeError(f"{type(self).__name__}: hierarchical must be True, False or None (auto), got {hierarchical!r}")
         self._check_group(defaults)  # also when every group overrides them (torch checks groups only)
         super().__init__(params, defaults)
         #: Whether ``step()`` refuses non-finite gradients without a loss scaler (see
@@ -63,6 +67,15 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 if p.is_sparse:
                     raise ValueError("hf_onebit optimizers do not support sparse parameters")
         self.comm_stats = CommStats()
+        #: The exchange by node (full precision inside a node, 1 bit between nodes, see
+        #: :mod:`hf_onebit.comm.hierarchical`): ``True``, ``False`` or ``None`` (by node exactly
+        #: when ``LOCAL_WORLD_SIZE`` gives several nodes of several ranks); see :meth:`nodes`.
+        self.hierarchical = hierarchical
+        self._nodes: NodeTopology | None | bool = False  # False: not decided yet (see nodes())
+        if hierarchical and dist.is_initialized():
+            self._node_layout(dist.get_world_size(), None)  # an impossible layout is refused at construction
+        #: Traffic between nodes only (the exchange by node), counted like ``comm_stats``.
+        self.inter_node_stats = CommStats()
         #: The hook state (:class:`hf_onebit.hook.OneBitHookState`), which sets itself here when
         #: built (``hf_onebit.attach`` builds it): this optimizer's one way to the network
         #: (``None``: not attached).
@@ -162,6 +175,27 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def rank(self) -> int:
         return dist.get_rank(self.process_group) if dist.is_initialized() else 0
 
+    def nodes(self) -> NodeTopology | None:
+        """The node layout of the exchange by node, or ``None`` for the flat exchange.
+
+        Decided once, from ``LOCAL_WORLD_SIZE`` and the world size: ``hierarchical=True`` needs a
+        layout (``ValueError`` naming why there is none), ``None`` takes one where there is one.
+        """
+        if self._nodes is False:
+            if self.hierarchical is False or not dist.is_initialized() or self.world_size == 1:
+                self._nodes = None
+            else:
+                self._nodes = self._node_layout(self.world_size, self.process_group)
+        return self._nodes
+
+    def _node_layout(self, world_size: int, group) -> NodeTopology | None:
+        try:
+            return node_topology(world_size, group)
+        except ValueError as exc:
+            if self.hierarchical:
+                raise ValueError(f"{type(self).__name__}(hierarchical=True): {exc}") from None
+            return None
+
     def params_in_order(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
@@ -202,7 +236,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         params = self.params_in_order()
         numel = sum(params[i].numel() for i in key)
         piece_sizes = [params[i].numel() for i in key] if self.scale_per_tensor else None
-        return self.link.new_compressor(numel, device, piece_sizes)
+        return self.link.new_compressor(numel, device, piece_sizes, self.nodes())
 
     def segments_covering_all(self, device: torch.device, cap_numel: int = 25 * 2**20 // 4) -> list[Segment]:
         """Segments covering every parameter (for communication in ``step()``, e.g. 0/1 Adam)."""
@@ -257,6 +291,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
             "rounds": total.rounds,
             "fp32_allreduce_bytes": total.fp32_equivalent,
             "compression_ratio": total.compression_ratio,
+            "inter_node_bytes_sent": self.inter_node_stats.snapshot().bytes_sent,  # 0 for the flat exchange
             "last_step_bytes_sent": self.last_step_comm.bytes_sent,
             "last_step_rounds": self.last_step_comm.rounds,
         }

@@ -82,11 +82,8 @@ from __future__ import annotations
 import numbers
 
 import torch
-import torch.distributed as dist
 
-from hf_onebit.comm import CommStats
 from hf_onebit.comm.allreduce import finite_flag
-from hf_onebit.comm.topology import node_topology
 from hf_onebit.comm.vote import VoteAllGather
 from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
 from hf_onebit.optim.tensors import write_flat_
@@ -130,24 +127,17 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         seed: int = 0,
         check_finite: bool = True,
     ) -> None:
-        if hierarchical is not None and not isinstance(hierarchical, bool):
-            raise TypeError(f"BinSGDM: hierarchical must be True, False or None (auto), got {hierarchical!r}")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) <= MASK64:
             raise ValueError(f"BinSGDM: seed must be an integer in [0, 2**64), got {seed!r}")
         defaults = dict(lr=lr, beta=beta, eps=eps, weight_decay=weight_decay)
         self._check_group(defaults)  # before float(), which would take a string
         defaults = {name: float(value) for name, value in defaults.items()}
-        super().__init__(params, defaults, check_finite=check_finite)
-        self.hierarchical = hierarchical
+        super().__init__(params, defaults, check_finite=check_finite, hierarchical=hierarchical)
         self.seed = int(seed)
-        #: Traffic between nodes only (hierarchical mode), counted like ``comm_stats``.
-        self.inter_node_stats = CommStats()
         self._vote: VoteAllGather | None = None  # made at the first vote (attach sets the group)
         self._layouts: dict[tuple[int, ...], VoteLayout] = {}
         self._streams: dict[int, VoteStream] = {}
         self.init_vote_momenta()
-        if hierarchical and dist.is_initialized():
-            self._nodes(dist.get_world_size(), None, explicit=True)
 
     # ---------------------------------------------------------------- parameter groups
     def _check_group(self, group: dict) -> None:
@@ -178,23 +168,11 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
             self.seed = int(state["seed"])
             self._streams.clear()
 
-    # ---------------------------------------------------------------- topology
-    def _nodes(self, n: int, group, explicit: bool):
-        """The node layout if the hierarchical vote applies; ``None`` (auto) or ValueError (explicit) if not."""
-        try:
-            return node_topology(n, group)
-        except ValueError as exc:
-            if explicit:
-                raise ValueError(f"BinSGDM(hierarchical=True): {exc}") from None
-            return None
-
+    # ---------------------------------------------------------------- the exchange
     def _vote_exchange(self) -> VoteAllGather:
         if self._vote is None:
-            n = self.world_size
-            nodes = None
-            if self.hierarchical is not False and n > 1:
-                nodes = self._nodes(n, self.process_group, explicit=bool(self.hierarchical))
-            self._vote = VoteAllGather(self.process_group, n, nodes, self.comm_stats, self.inter_node_stats)
+            nodes = self.nodes()
+            self._vote = VoteAllGather(self.process_group, self.world_size, nodes, self.comm_stats, self.inter_node_stats)
             if nodes is not None and self.rank == 0:
                 logger.info("hf_onebit BinSGDM: hierarchical votes, %d nodes of %d ranks", nodes.nodes, nodes.local_size)
         return self._vote

@@ -74,6 +74,11 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             ``freeze_step`` too). ``False`` reproduces DeepSpeed's trajectories.
         auto_mask: mask coordinates whose averaged gradient was exactly zero on every warmup step,
             or whose frozen ``sqrt(v̂)`` is below ``eps/100``.
+        hierarchical: ``True``: the exchange by node (:mod:`hf_onebit.comm.hierarchical`: an fp32
+            mean inside each node, spec §1's 1-bit exchange among the node means between nodes),
+            which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
+            group to be the whole world; ``None``: by node exactly when those hold; ``False``
+            (default): the spec's exchange among all ranks. Warmup and variance steps stay flat.
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
             any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
         update_clip: after the freeze, bound every coordinate's step at ``update_clip·lr`` by
@@ -100,11 +105,13 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         scale_per_tensor: bool = False,
         check_finite: bool = True,
         update_clip: float | None = None,
+        hierarchical: bool | None = False,
     ) -> None:
         self.update_clip = check_update_clip(update_clip)
         self.init_freeze(freeze_step, "freeze_step")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
+        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
+                         hierarchical=hierarchical)
         self.auto_mask = auto_mask
         if not bias_correction:
             self.warn_uncorrected_variance(betas[1])

@@ -102,6 +102,11 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             below ``eps/100`` (e.g. attention key biases), which would otherwise receive
             ``±scale`` from the compressor and, with ``v == 0`` there, steps of size
             ``scale/eps``. :meth:`set_mask` overrides it per parameter.
+        hierarchical: ``True``: the exchange by node (:mod:`hf_onebit.comm.hierarchical`: an fp32
+            mean inside each node, spec §1's 1-bit exchange among the node means between nodes),
+            which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
+            group to be the whole world; ``None``: by node exactly when those hold; ``False``
+            (default): the spec's exchange among all ranks. Warmup and variance steps stay flat.
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
             any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
         update_clip: in the compression phase the update is ``u = m/(max(sqrt(v), |m|/update_clip)
@@ -131,6 +136,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         scale_per_tensor: bool = False,
         check_finite: bool = True,
         update_clip: float | None = None,
+        hierarchical: bool | None = False,
     ) -> None:
         self.init_freeze(freeze_step, "freeze_step")
         self.update_clip = check_update_clip(update_clip)
@@ -139,7 +145,8 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
         )
-        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
+        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
+                         hierarchical=hierarchical)
         self.auto_mask = auto_mask
 
     # ---------------------------------------------------------------- parameter groups

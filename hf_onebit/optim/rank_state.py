@@ -19,6 +19,7 @@ def save(opt: OneBitOptimizer) -> dict:
     """The base's entries: error buffers of every segment, the last layout, the traffic so far."""
     return {
         "world_size": opt.world_size,
+        "nodes": node_layout(opt),
         "rank": opt.rank,
         "steps_done": opt.steps_done,
         "segments": opt.segments.state_dict(),  # restored but unused state included
@@ -29,6 +30,12 @@ def save(opt: OneBitOptimizer) -> dict:
         # This rank's traffic so far, so cumulative figures continue across a resume.
         "comm_total": asdict(opt.comm_stats.snapshot()),
     }
+
+
+def node_layout(opt: OneBitOptimizer) -> list[int] | None:
+    """``[nodes, ranks per node]`` of the exchange by node, ``None`` for the flat exchange."""
+    nodes = opt.nodes()
+    return None if nodes is None else [nodes.nodes, nodes.local_size]
 
 
 def reset(opt: OneBitOptimizer) -> None:
@@ -42,6 +49,14 @@ def load(opt: OneBitOptimizer, state: dict) -> None:
         raise ValueError(
             f"per-rank compression state was saved with {state['world_size']} ranks, this run has"
             f" {opt.world_size}; see docs on resuming with another world size"
+        )
+    saved = state.get("nodes")  # absent in files from before the exchange by node: flat
+    if saved != node_layout(opt):
+        def describe(layout):
+            return "the flat exchange" if layout is None else f"the exchange by node ({layout[0]} nodes of {layout[1]} ranks)"
+        raise ValueError(
+            f"per-rank compression state was saved with {describe(saved)}, this run uses {describe(node_layout(opt))};"
+            " its error buffers belong to other buffers (see docs on resuming with another world size)"
         )
     total = state.get("comm_total")
     if total:

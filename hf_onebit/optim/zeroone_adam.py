@@ -70,6 +70,11 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             times too large (3.2x after 100 updates with ``β2 = 0.999``, 7.9x after the 16 a
             short run gets: it diverged). ``False`` with such a freeze warns at construction.
             The momentum is not corrected (its bias only shrinks the first steps).
+        hierarchical: ``True``: the exchange by node (:mod:`hf_onebit.comm.hierarchical`: an fp32
+            mean inside each node, spec §1's 1-bit exchange among the node means between nodes),
+            which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
+            group to be the whole world; ``None``: by node exactly when those hold; ``False``
+            (default): the spec's exchange among all ranks. Warmup and variance steps stay flat.
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
             any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
         update_clip: on every step that does not update the variance (1-bit gradient steps and
@@ -170,6 +175,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         check_finite: bool = True,
         update_clip: float | None = None,
         clip_synced_momentum: bool = True,
+        hierarchical: bool | None = False,
     ) -> None:
         self.update_clip = check_update_clip(update_clip)
         if not isinstance(clip_synced_momentum, bool):
@@ -180,7 +186,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         check_positive_int(local_step_scaler, "local_step_scaler")
         check_positive_int(local_step_clipper, "local_step_clipper")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite)
+        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
+                         hierarchical=hierarchical)
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper

@@ -73,6 +73,34 @@ def test_scale_per_tensor_trajectory_matches_piece_simulation(world_size):
     test_trajectory_matches_spec_simulation_through_the_freeze(world_size, True, per_tensor=True)
 
 
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["one_scale", "scale_per_tensor"])
+def test_exchange_by_node_matches_its_simulation_through_the_freeze(per_tensor):
+    """hierarchical=True on 4 ranks as 2 nodes of 2: the warmup all-reduces every rank, the
+    compression phase is spec §1 among the node means, once per shard (NodeSpecSimulation)."""
+    steps, freeze, n = 16, 6, 4
+    kwargs = dict(lr=1e-2, weight_decay=0.01, freeze_step=freeze, scale_per_tensor=per_tensor, hierarchical=True)
+    outs = run_distributed(partial(train, tiny_grads=True), n, "OneBitAdam", kwargs, steps, env={"LOCAL_WORLD_SIZE": "2"})
+    segments = [list(s) for s in outs[0]["segments"]]
+    assert len(segments) > 1
+    torch.manual_seed(0)
+    init = [p.detach().numpy() for p in FixedGradModel().parameters()]
+    by_node = OneBitAdamSimulation(init, n, segments, lr=1e-2, wd=0.01, freeze_step=freeze,
+                                   scale_per_tensor=per_tensor, nodes=(2, 2))
+    flat = OneBitAdamSimulation(init, n, segments, lr=1e-2, wd=0.01, freeze_step=freeze, scale_per_tensor=per_tensor)
+    for step in range(1, steps + 1):
+        grads = [[g.numpy() for g in fixed_grads(step, r, tiny=True)] for r in range(n)]
+        expected, other = by_node.step(grads), flat.step(grads)
+        for r in range(n):
+            for got, want in zip(outs[r]["history"][step - 1], expected):
+                np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+            assert all(torch.equal(a, b) for a, b in zip(outs[r]["history"][step - 1], outs[0]["history"][step - 1]))
+    # not the flat exchange under another name: the trajectories part after the freeze
+    assert any(not np.allclose(e, o, rtol=1e-4, atol=1e-4 * np.abs(o).max()) for e, o in zip(expected, other))
+    stats = outs[0]["stats"]
+    assert stats["phase"] == "compression" and stats["last_step_rounds"] == 5 * len(segments)
+    assert 0 < stats["inter_node_bytes_sent"] < stats["bytes_sent"]
+
+
 def test_update_clip_matches_its_simulation_and_bounds_every_step():
     """update_clip=c: after the freeze no coordinate moves by more than c·lr (plus weight decay)."""
     lr, wd, clip, freeze = 1e-2, 0.01, 0.5, 6

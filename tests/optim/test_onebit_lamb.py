@@ -16,7 +16,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
-from tests.simulation import PieceSpecSimulation, SpecSimulation, keep_mask
+from tests.simulation import exchange, keep_mask
 
 OPT = "hf_onebit.optim.onebit_lamb:OneBitLamb"
 
@@ -38,7 +38,7 @@ class OneBitLambSimulation:
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  freeze_step=100000, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
                  factor_min=0.5, factor_threshold=0.1, auto_mask=True, use_scaling=True,
-                 scale_per_tensor=False, update_clip=None):
+                 scale_per_tensor=False, update_clip=None, nodes=None):
         self.clip = update_clip  # hf_onebit's option: m/(max(sqrt(v), |m|/c) + eps) after the freeze
         self.p = [np.array(x, np.float32) for x in params]
         K = len(self.p)
@@ -51,11 +51,9 @@ class OneBitLambSimulation:
         self.mask = None
         self.seen = [np.zeros(x.shape, bool) for x in self.p]
         self.n, self.segments = n, [list(s) for s in segments]
-        if scale_per_tensor:
-            self.comm = {tuple(s): PieceSpecSimulation(sum(self.p[i].size for i in s), n, [self.p[i].size for i in s])
-                         for s in self.segments}
-        else:
-            self.comm = {tuple(s): SpecSimulation(sum(self.p[i].size for i in s), n) for s in self.segments}
+        self.comm = {tuple(s): exchange(sum(self.p[i].size for i in s), n,
+                                        [self.p[i].size for i in s] if scale_per_tensor else None, nodes)
+                     for s in self.segments}
         self.lr, self.b1, self.b2, self.eps, self.wd = lr, np.float32(betas[0]), np.float32(betas[1]), eps, weight_decay
         self.F, self.t = freeze_step, 0
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
@@ -221,6 +219,25 @@ def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, per_t
         else:
             assert sim.binds["factor_max"] > 0 and sim.binds["factor_min"] > 0, sim.binds
             assert sim.binds["coeff_max"] > 0 and sim.binds["coeff_min"] > 0, sim.binds
+
+
+def test_exchange_by_node_matches_its_simulation_through_the_freeze():
+    """hierarchical=True, 4 ranks as 2 nodes of 2: the compression phase is spec §1 among the
+    node means, once per shard (the trust ratios and scaling as in the flat run)."""
+    name, kwargs, steps = CONFIGS[0]
+    jobs = [(dict(kwargs, hierarchical=True), steps, {})]
+    outs = run_distributed(_train_many, 4, jobs, env={"LOCAL_WORLD_SIZE": "2"})
+    runs = [o[0] for o in outs]
+    segments = runs[0]["segments"]
+    _, expected = _simulate(4, segments, kwargs, steps, nodes=(2, 2))
+    _, flat = _simulate(4, segments, kwargs, steps)
+    for step in range(steps):
+        for r in range(4):
+            for got, want in zip(runs[r]["history"][step], expected[step]):
+                _assert_close(got.numpy(), want)
+            assert all(torch.equal(a, b) for a, b in zip(runs[r]["history"][step], runs[0]["history"][step]))
+    assert any(not np.allclose(e, f, rtol=1e-4, atol=1e-4 * np.abs(f).max()) for e, f in zip(expected[-1], flat[-1]))
+    assert runs[0]["stats"]["last_step_rounds"] == 5 * len(segments)
 
 
 def test_update_clip_matches_its_simulation_and_binds():

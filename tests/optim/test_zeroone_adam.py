@@ -15,7 +15,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
-from tests.simulation import PieceSpecSimulation, SpecSimulation, keep_mask
+from tests.simulation import exchange, keep_mask
 
 OPT = "hf_onebit.optim.zeroone_adam:ZeroOneAdam"
 # eps=1e-4: parameter 1's zero-gradient rows have v = 0, so the 1-bit noise moves them by
@@ -49,7 +49,7 @@ class ZeroOneAdamSimulation:
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  auto_mask=True, bias_correction=False, scale_per_tensor=False, update_clip=None,
-                 clip_synced_momentum=True):
+                 clip_synced_momentum=True, nodes=None):
         self.n = n
         # hf_onebit's option: steps that do not update v divide by max(sqrt(v̂), |m|/c) + eps (with
         # clip_synced_momentum=False a local step followed at once by a sync adds its unclipped
@@ -71,11 +71,10 @@ class ZeroOneAdamSimulation:
         # spec §1: with n == 1 the compressed all-reduce returns its input
         if n == 1:
             self.comm = []
-        elif scale_per_tensor:
-            self.comm = [PieceSpecSimulation(sum(self.v[k].size for k in s), n, [self.v[k].size for k in s])
-                         for s in self.segments]
         else:
-            self.comm = [SpecSimulation(sum(self.v[k].size for k in s), n) for s in self.segments]
+            self.comm = [exchange(sum(self.v[k].size for k in s), n,
+                                  [self.v[k].size for k in s] if scale_per_tensor else None, nodes)
+                         for s in self.segments]
         self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, weight_decay
         self.F, self.vus, self.lss, self.lsc = var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
         self.t, self.var_interval, self.var_counter, self.local_interval, self.local_counter = 0, 1, 0, 1, 0
@@ -141,8 +140,7 @@ class ZeroOneAdamSimulation:
         else:
             if t == self.F + 1:  # entering the frozen phase: zero the error buffers
                 for comm in self.comm:
-                    comm.worker_error = [np.zeros_like(e) for e in comm.worker_error]
-                    comm.server_error = [np.zeros_like(e) for e in comm.server_error]
+                    comm.reset()
                 self.x = [[x.copy() for x in self.p[r]] for r in range(n)]  # the last synced point
             self._freeze_mask()
             sync = t % self.local_interval == 0
@@ -223,12 +221,14 @@ def _two_configurations(rank, world_size, save_dir, per_tensor=False):
     return {"main": main, "early": early}
 
 
-def _check_against_simulation(outs, kwargs, steps, world_size) -> list[str]:
-    """Every rank, every step: the spec simulation's parameters and plan; bitwise agreement."""
+def _check_against_simulation(outs, kwargs, steps, world_size, nodes=None) -> list[str]:
+    """Every rank, every step: the spec simulation's parameters and plan; bitwise agreement.
+    ``nodes = (M, k)``: the exchange by node (its compressed buffers take 5 rounds, 2 of them
+    full precision inside the node)."""
     segments = outs[0]["segments"]
     assert all(o["segments"] == segments for o in outs)
     assert sorted(k for s in segments for k in s) == list(range(len(_initial_params())))
-    sim = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], world_size, segments, **kwargs)
+    sim = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], world_size, segments, **kwargs, nodes=nodes)
     for step in range(1, steps + 1):
         expected = sim.step(_grads(step, world_size))
         kind = sim.kinds[-1]
@@ -248,9 +248,11 @@ def _check_against_simulation(outs, kwargs, steps, world_size) -> list[str]:
             kind = rec["plan"]
             if kind == L:
                 assert rec["rounds"] == 0 and rec["bytes_sent"] == 0, step
-            elif kind in (C, S):  # 3 rounds per compressed buffer, ~32x less than fp32
+            elif kind in (C, S) and nodes is None:  # 3 rounds per compressed buffer, ~32x less than fp32
                 assert rec["rounds"] == 3 * nseg, step
                 assert rec["fp32_equivalent"] > 16 * rec["bytes_sent"], step
+            elif kind in (C, S):  # + an fp32 reduce-scatter and all-gather inside the node
+                assert rec["rounds"] == 5 * nseg and rec["bytes_sent"] < rec["fp32_equivalent"], step
             else:
                 assert rec["rounds"] >= 1 and rec["bytes_sent"] == rec["fp32_equivalent"] > 0, step
     return sim.kinds
@@ -308,6 +310,19 @@ def test_every_phase_matches_the_spec(world_size, tmp_path, per_tensor=False):
     rstats, fstats = resumed[0]["stats"], main[0]["stats"]
     assert (rstats["rounds"], rstats["bytes_sent"]) == (fstats["rounds"], fstats["bytes_sent"])
     assert SCHEDULE[SAVE_AT:].count(S) < STEPS - SAVE_AT
+
+
+def _by_node(rank, world_size):
+    return train(rank, world_size, OPT, dict(KWARGS, hierarchical=True), STEPS, record_steps=True)
+
+
+def test_exchange_by_node_every_phase_matches_its_simulation():
+    """hierarchical=True, 4 ranks as 2 nodes of 2: variance steps all-reduce every rank; 1-bit
+    gradient steps and syncs are spec §1 among the node means, once per shard."""
+    outs = run_distributed(_by_node, 4, env={"LOCAL_WORLD_SIZE": "2"})
+    assert _check_against_simulation(outs, KWARGS, STEPS, 4, nodes=(2, 2)) == SCHEDULE
+    stats = outs[0]["stats"]
+    assert 0 < stats["inter_node_bytes_sent"] < stats["bytes_sent"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
