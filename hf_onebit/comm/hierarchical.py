@@ -70,7 +70,7 @@ class HierarchicalCompressedAllReduce:
         numel: elements of the buffers this state compresses (fixed).
         device: where the buffers live.
         nodes: the node layout, its groups created (``NodeTopology.create_groups``, a collective
-            every rank runs in the same order: :func:`hf_onebit.attach` does it).
+            every rank runs in the same order: the hook state does it when it is built).
         kernels, deferred_commit: as for :class:`~hf_onebit.comm.CompressedAllReduce`.
         stats: every byte this rank sends is counted here.
         inter_node_stats: the bytes that cross between nodes, counted again here.

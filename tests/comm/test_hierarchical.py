@@ -89,10 +89,8 @@ def _load(rank, world_size, saved, flat):
 
     if flat:
         state = CompressedAllReduce(sum(SIZES))
-    else:
-        nodes = node_topology(world_size)
-        nodes.create_groups()
-        state = HierarchicalCompressedAllReduce(sum(SIZES), "cpu", nodes)
+    else:  # no create_groups(): the exchange creates the node groups it needs
+        state = HierarchicalCompressedAllReduce(sum(SIZES), "cpu", node_topology(world_size))
     try:
         state.load_state_dict(saved[rank])
     except ValueError as exc:
