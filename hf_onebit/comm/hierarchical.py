@@ -69,8 +69,8 @@ class HierarchicalCompressedAllReduce:
     Args:
         numel: elements of the buffers this state compresses (fixed).
         device: where the buffers live.
-        nodes: the node layout, its groups created (``NodeTopology.create_groups``, a collective
-            every rank runs in the same order: the hook state does it when it is built).
+        nodes: the node layout; its groups are created here if nobody did yet
+            (``NodeTopology.create_groups``, a collective: :func:`hf_onebit.attach` does it first).
         kernels, deferred_commit: as for :class:`~hf_onebit.comm.CompressedAllReduce`.
         stats: every byte this rank sends is counted here.
         inter_node_stats: the bytes that cross between nodes, counted again here.
@@ -82,8 +82,10 @@ class HierarchicalCompressedAllReduce:
                  kernels: str | ModuleType | None = None, stats: CommStats | None = None,
                  inter_node_stats: CommStats | None = None, deferred_commit: bool = False,
                  piece_sizes=None) -> None:
-        if nodes.node_group is None or nodes.inter_group is None:
-            raise ValueError("HierarchicalCompressedAllReduce needs the node groups: call nodes.create_groups() on every rank first")
+        if nodes.node_group is None:
+            # attach creates them first; a hand-registered hook state reaches here first, on every
+            # rank at the same point (its first compressed bucket), as VoteAllGather does
+            nodes.create_groups()
         self.numel = int(numel)
         self.device = torch.device(device)
         self.nodes = nodes
