@@ -1,5 +1,6 @@
 """The parts of ``benchmarks/network.py``: link (namespaces, tc), data, methods (with their counters),
-report (summaries, tables, plots). Run the benchmark as ``python benchmarks/network.py``."""
+report (summaries, tables, plots). Run the benchmark as ``python benchmarks/network.py``; twonode
+holds the two-node emulation of ``benchmarks/two_nodes.py``."""
 
 from __future__ import annotations
 
@@ -15,5 +16,10 @@ LABELS = {
     "zeroone_adam": "0/1 Adam",
     "onebit_lamb": "1-bit LAMB",
     "binsgdm": "BinSGDM",
+    "onebit_adam_nodes": "1-bit Adam by node",
+    "zeroone_adam_nodes": "0/1 Adam by node",
+    "onebit_lamb_nodes": "1-bit LAMB by node",
 }
-HF_ONEBIT = {"onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm"}
+#: The exchange by node (``hierarchical=True``): only with several nodes (benchmarks/two_nodes.py).
+NODE_METHODS = ["onebit_adam_nodes", "zeroone_adam_nodes", "onebit_lamb_nodes"]
+HF_ONEBIT = {"onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm", *NODE_METHODS}

@@ -51,7 +51,7 @@ def build_model(kind: str, vocab: int, seq: int, train_key_bias: bool = False):
 
         model = Classifier()
         freeze_dead_parameters(model, freeze_embeddings=True)
-    else:
+    elif kind == "scratch":
         from transformers import BertConfig, BertForMaskedLM
 
         class MLM(torch.nn.Module):
@@ -72,6 +72,23 @@ def build_model(kind: str, vocab: int, seq: int, train_key_bias: bool = False):
         model = MLM()
         if not train_key_bias:
             freeze_dead_parameters(model, freeze_embeddings=False)
+    elif kind == "tiny":  # wiring smoke tests (two_nodes.py): a 2-layer BERT of width 64 from a config
+        from transformers import BertConfig, BertForSequenceClassification
+
+        class Tiny(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                config = BertConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=128, max_position_embeddings=max(128, seq), num_labels=2)
+                self.net = BertForSequenceClassification(config)
+
+            def forward(self, input_ids, attention_mask, labels):
+                return self.net(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+        model = Tiny()
+        freeze_dead_parameters(model, freeze_embeddings=True)
+    else:
+        raise ValueError(f"unknown model {kind!r}")
     if kind == "minilm" and train_key_bias:
         for name, p in model.named_parameters():
             if name.endswith("attention.self.key.bias"):
@@ -121,11 +138,19 @@ def onebit_optimizer(method: str, params, args, freeze: int):
 
     Hyperparameters follow the published guidance scaled to a run of ``args.steps`` steps;
     ``args.onebit_args`` (JSON) adds keyword arguments, e.g. ``{"bias_correction": true}``;
-    ``clip_synced_momentum`` goes to 0/1 Adam only.
+    ``clip_synced_momentum`` goes to 0/1 Adam only. A ``_nodes`` suffix (``onebit_adam_nodes``)
+    builds the same optimizer with ``hierarchical=True`` (the exchange by node, which needs
+    ``LOCAL_WORLD_SIZE``: two_nodes.py); without it ``hierarchical=False`` unless ``args.onebit_args``
+    says otherwise (BinSGDM's default, ``None``, would go by node wherever ``LOCAL_WORLD_SIZE``
+    gives several nodes).
     """
     import hf_onebit
 
     extra = json.loads(args.onebit_args or "{}")
+    if method.endswith("_nodes"):
+        method, extra["hierarchical"] = method[: -len("_nodes")], True
+    else:
+        extra.setdefault("hierarchical", False)
     only_zeroone = {k: extra.pop(k) for k in ("clip_synced_momentum",) if k in extra}  # 0/1 Adam's own option
     if freeze == "auto":  # the automatic freeze with the bounds the HF integration fits to a run
         from hf_onebit.optim.freeze import AutoFreeze
@@ -242,7 +267,12 @@ def measure_compute(model_fn, batches, args) -> float:
     return statistics.median(times[1:])
 
 
-def run_method(method: str, model_fn, batches, args) -> dict:
+def run_method(method: str, model_fn, batches, args, probe=None) -> dict:
+    """Train ``method`` on ``batches``; per step and rank a record of times, loss and counters.
+
+    ``probe(opt)``, if given, returns a dict of running totals (e.g. a device's tx bytes) that every
+    rank reads after every step: each record gets their growth since the start of the run.
+    """
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -251,6 +281,7 @@ def run_method(method: str, model_fn, batches, args) -> dict:
     records = []
     with counter:
         dist.barrier()
+        base = probe(opt) if probe else {}
         lo0 = _read_lo_tx() if rank == 0 else None
         t0 = time.perf_counter()
         for step, batch in enumerate(batches, start=1):
@@ -271,6 +302,8 @@ def run_method(method: str, model_fn, batches, args) -> dict:
             records.append({"t": t, "loss": float(loss.detach()), "bytes": b, "rounds": r, "phase": phase,
                             "fwd": tb - ta, "bwd": tc - tb, "opt": td - tc,
                             "lo": None if lo is None or lo0 is None else lo - lo0})
+            if probe:
+                records[-1].update({k: v - base[k] for k, v in probe(opt).items()})
             if rank == 0 and (step % 10 == 0 or step == len(batches)):
                 print(f"    {method:<13} step {step:3d}/{len(batches)}  loss {records[-1]['loss']:.3f}"
                       f"  {t:6.1f} s", flush=True)
@@ -285,7 +318,8 @@ def run_method(method: str, model_fn, batches, args) -> dict:
     return {"records": gathered, "stats": extra}
 
 
-def worker(args) -> None:
+def worker(args, step_probe=None) -> None:
+    """One rank: every method of ``args.methods`` in turn (``step_probe``: see :func:`run_method`)."""
     import torch
     import torch.distributed as dist
 
@@ -302,7 +336,7 @@ def worker(args) -> None:
         dist.destroy_process_group()
         return
     tok = load_tokenizer()
-    if args.model == "minilm":
+    if args.model in ("minilm", "tiny"):
         train, _ = load_task(512)
         batches = sentiment_batches(tok, train, args.steps, args.batch, rank, world, args.seed, args.seq)
         n_examples = len(train)
@@ -318,6 +352,8 @@ def worker(args) -> None:
     probe = model_fn()
     n_params = sum(p.numel() for p in probe.parameters() if p.requires_grad)
     n_total = sum(p.numel() for p in probe.parameters())
+    # DDP broadcasts these from rank 0 before every forward (broadcast_buffers=True): uncounted traffic
+    buffer_bytes = sum(b.numel() * b.element_size() for b in probe.buffers())
     del probe
 
     # Warm-up outside every timed window: numba kernels (JIT cache), gloo's all-to-all path.
@@ -328,13 +364,14 @@ def worker(args) -> None:
         warm(torch.randn(4096))
     dist.barrier()
     compute = measure_compute(model_fn, batches, args)
-    out = {"params": n_params, "params_total": n_total, "examples": n_examples, "compute_s": compute, "methods": {}}
+    out = {"params": n_params, "params_total": n_total, "buffer_bytes": buffer_bytes, "examples": n_examples,
+           "compute_s": compute, "methods": {}}
     out["repeats"] = {}
     for rep in range(args.repeats):  # round-robin: a slow spell of the machine hits every method
         for method in args.methods:
             if rank == 0:
                 print(f"  [{method}]" + (f" repeat {rep + 1}/{args.repeats}" if args.repeats > 1 else ""), flush=True)
-            res = run_method(method, model_fn, batches, args)
+            res = run_method(method, model_fn, batches, args, step_probe)
             if rep == 0:
                 out["methods"][method] = res
             else:
