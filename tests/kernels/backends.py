@@ -62,11 +62,13 @@ def load_triton():
             allow_module_level=True,
         )
     from hf_onebit.kernels import triton as T
+    from hf_onebit.kernels import triton_kernels, triton_piece_kernels, triton_pieces
 
-    if not isinstance(T._worker_pack_kernel, InterpretedFunction):
-        # The kernel module was imported earlier without the interpreter (while triton itself had
-        # it): rebuild its kernels now.
-        T = importlib.reload(T)
+    if not isinstance(triton_kernels._worker_pack_kernel, InterpretedFunction):
+        # The backend was imported earlier without the interpreter (while triton itself had it):
+        # rebuild its kernels now, each module after the ones it imports from.
+        for module in (triton_kernels, triton_piece_kernels, triton_pieces, T):
+            importlib.reload(module)
     return T
 
 
