@@ -102,8 +102,9 @@ def _flat_input(x: torch.Tensor, length: int) -> torch.Tensor:
         raise TypeError(f"x must be one of {_FLOAT_INPUTS}, got {x.dtype}")
     if x.numel() > length:
         raise ValueError(f"x has {x.numel()} elements, more than the padded length {length}")
-    # A view for contiguous x (the normal case); a copy otherwise, which is correct but slower.
-    return x.reshape(-1)
+    # A view for contiguous x (the normal case); a contiguous copy otherwise (the kernels index
+    # x flat, and reshape(-1) of a strided 1-D tensor is that same strided tensor).
+    return x.reshape(-1).contiguous()
 
 
 def _rms_from_partials(partials: torch.Tensor, length: int) -> torch.Tensor:
@@ -304,7 +305,8 @@ def unpack_scaled(
     # two small asynchronous device ops). It also keeps every float conversion out of the
     # kernel: the Triton 3.9 CPU interpreter truncates fp32 -> bf16 instead of rounding.
     s32 = scales.to(torch.float32)
-    pm = torch.stack((-s32, s32), dim=1).to(out.dtype)
+    # times -1.0, as the reference's signs multiply: negation would flip a NaN scale's sign bit
+    pm = torch.stack((s32 * -1.0, s32), dim=1).to(out.dtype)
     # The kernel writes a flat contiguous range; for a strided `out` go through a temporary.
     target = out
     if not out.is_contiguous():

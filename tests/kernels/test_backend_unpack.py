@@ -68,16 +68,9 @@ def test_unpack_scaled_rounds_like_torch(backend, out_dtype):
     check_rounds_like_torch(backend, values, out_dtype)
 
 
-NAN_SIGN = pytest.mark.xfail(
-    strict=True, reason="known divergence, left for a behaviour-changing fix: Triton's unpack_scaled"
-    " negates a NaN scale (-t sets the sign bit, fp16 0xFE00) where the reference multiplies by -1.0"
-    " (the NaN unchanged, 0x7E00); bf16 canonicalises NaN, so it agrees")
-
-
 @pytest.mark.parametrize(*per_backend(
     "out_dtype", cpu=[(torch.bfloat16,), (torch.float16,), (torch.float32,)],
-    triton=[(64, torch.bfloat16), pytest.param(64, torch.float16, marks=NAN_SIGN),
-            pytest.param(64, torch.float32, marks=NAN_SIGN)]))
+    triton=[(64, torch.bfloat16), (64, torch.float16), (64, torch.float32)]))
 def test_unpack_scaled_of_a_nan_scale_is_the_references_nan(backend, out_dtype):
     check_rounds_like_torch(backend, [1.0, float("nan"), -2.0], out_dtype)
 

@@ -95,14 +95,9 @@ def test_every_16_bit_input_pattern_is_decoded_exactly(backend, dtype):
     assert_bitwise_equal(bits, bits_ref)
 
 
-STRIDED_BUG = pytest.mark.xfail(
-    strict=True, reason="known bug, left for a behaviour-changing fix: hf_onebit.kernels.triton._flat_input"
-    " keeps a strided 1-D x as it is (reshape(-1) makes no copy) and the kernels read it as contiguous")
-
-
 @pytest.mark.parametrize(*per_backend(
     "layout", cpu=[("strided",), ("2-D",)],
-    triton=[pytest.param(64, "strided", marks=STRIDED_BUG), (64, "2-D")]))
+    triton=[(64, "strided"), (64, "2-D")]))
 def test_worker_inputs_of_other_layouts_and_dtypes(backend, layout):
     gen = torch.Generator().manual_seed(1)
     base = torch.randn(2 * 1000 + 1, generator=gen, dtype=torch.float64)
