@@ -26,6 +26,11 @@ and no error buffer changes anywhere (so ``GradScaler`` skips the step everywher
 
 Every rank ends with the same bytes: shard ``l``'s result is bitwise identical across its
 inter group (spec §1), and every rank of a node gathers the same ``k`` shards.
+
+The reduce-scatter is an all-to-all of the ``k`` shards followed by a sum in local-rank order on
+the rank that owns the shard: the bytes of a bandwidth-optimal reduce-scatter on every backend
+(gloo's own ``reduce_scatter`` is an all-reduce of the whole buffer, 1.5x the bytes at ``k = 2``,
+measured on the two-node benchmark), and a sum whose order does not depend on the backend.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.distributed as dist
 
 from hf_onebit.comm.allreduce import finite_flag
-from hf_onebit.comm.compat import all_gather_into_tensor, reduce_scatter_tensor
+from hf_onebit.comm.compat import all_gather_into_tensor
 from hf_onebit.comm.compressed import CompressedAllReduce
 from hf_onebit.comm.executor import executor_for
 from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
@@ -104,6 +110,7 @@ class HierarchicalCompressedAllReduce:
                                          stats=CommStats(), deferred_commit=deferred_commit, piece_sizes=inner_pieces)
         f32 = dict(dtype=torch.float32, device=self.device)
         self._rows = torch.zeros(k, self.shard + 1, **f32)  # [shard l | flag slot] per local rank
+        self._received = torch.empty(k, self.shard + 1, **f32)  # shard l (and flag) of every local rank
         self._mine = torch.empty(self.shard + 1, **f32)
         self._gathered = torch.empty(k * self.shard, **f32)
 
@@ -124,7 +131,10 @@ class HierarchicalCompressedAllReduce:
             rows[l, : part.numel()].copy_(part)  # the padding past N stays zero
         rows[:, S] = torch.where(finite_flag(flat), 0.0, float("nan"))
         rows.div_(k)
-        reduce_scatter_tensor(self._mine, rows.view(-1), group=topo.node_group)
+        dist.all_to_all_single(self._received, rows, group=topo.node_group)
+        self._mine.zero_()
+        for j in range(k):  # 0 + Σ in local-rank order, on every backend
+            self._mine.add_(self._received[j])
         shard = self._mine[:S]
         shard.masked_fill_(torch.isnan(self._mine[S]), float("nan"))  # a rank of this node was non-finite
 
