@@ -141,8 +141,7 @@ def print_rate(entry: dict) -> None:
           " intra- and inter-node); inter-node B/step: both directions, all ranks, counted (inter_node_stats"
           " for the exchange by node, gloo's algorithm shares for the flat collectives, DDP's buffer broadcast)"
           " and measured on the veth (tx of both ends: TCP/IP headers and ACKs included); intra-node: the counted"
-          " bytes that stay inside a node, and both namespaces' loopback tx (gloo's reduce-scatter is an"
-          " all-reduce: the exchange by node moves 1.5x its counted intra-node bytes)")
+          " bytes that stay inside a node, and both namespaces' loopback tx")
     tot = entry.get("link_total")
     if tot:
         print("whole rate (setup, DDP's initial broadcasts and the compute probe included): "

@@ -26,9 +26,10 @@ gloo's binomial tree sends 0 -> 1, then 0 -> 2 and 1 -> 3, so **twice the buffer
 per step (16 KB for minilm: its position and token-type ids, 512 int64 each). What the veth sees beyond
 that is TCP/IP and gloo headers and ACKs: a few hundred bytes per message.
 
-Inside a node the counters assume a true reduce-scatter; gloo's ``reduce_scatter_tensor`` is an
-all-reduce of the whole buffer followed by a copy of the own chunk, so the exchange by node's
-first round moves twice the counted bytes over the loopback (the intra-node columns show it).
+Inside a node the exchange by node's first round is an all-to-all of the shards and a local sum
+(hf_onebit.comm.hierarchical): the bytes of a true reduce-scatter, which its counters assume and
+the loopback columns confirm. (gloo's own ``reduce_scatter_tensor`` all-reduces the whole buffer,
+twice those bytes: the wiring check of 2026-11-24 saw it before the exchange stopped using it.)
 """
 
 from __future__ import annotations
