@@ -329,6 +329,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     #: Whether a torch Adam/AdamW ``state_dict`` can seed this optimizer's moments.
     imports_adam_state = True
+    #: Whether it keeps error-feedback buffers (compression segments), whose layout depends on
+    #: the exchange (flat or by node): saved per-rank state records that layout.
+    keeps_error_buffers = True
 
     def rank_state_dict(self) -> dict:
         """This rank's own state (:func:`hf_onebit.optim.rank_state.save`); subclasses add theirs.

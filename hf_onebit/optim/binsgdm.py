@@ -115,6 +115,7 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
     """
 
     imports_adam_state = False  # its m, b are not Adam's moments
+    keeps_error_buffers = False  # unbiased votes: its per-rank m, b do not depend on the node layout
 
     def __init__(
         self,

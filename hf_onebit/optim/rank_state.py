@@ -33,8 +33,9 @@ def save(opt: OneBitOptimizer) -> dict:
 
 
 def node_layout(opt: OneBitOptimizer) -> list[int] | None:
-    """``[nodes, ranks per node]`` of the exchange by node, ``None`` for the flat exchange."""
-    nodes = opt.nodes()
+    """``[nodes, ranks per node]`` that the error buffers belong to (the exchange by node),
+    ``None`` for the flat exchange, and for an optimizer without error buffers (BinSGDM)."""
+    nodes = opt.nodes() if opt.keeps_error_buffers else None
     return None if nodes is None else [nodes.nodes, nodes.local_size]
 
 
