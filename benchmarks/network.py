@@ -90,14 +90,13 @@ import os
 import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from netbench import METHODS, REPO
-from netbench.link import Interrupted, Namespaces, _free_port, _raise_interrupted, parse_rate
+from netbench.link import (Interrupted, Namespaces, _free_port, _raise_interrupted, kill_rank, launch_rank,
+                           parse_rate, stop_ranks, wait_for_ranks)
 from netbench.methods import worker
 from netbench.plots import make_plots
 from netbench.report import _window_freeze, fmt_bytes, goals, print_table, report, summarize
@@ -123,22 +122,9 @@ def run_rate(rate: str, bits: float | None, ns: Namespaces, use_netns: bool, arg
                        HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
             cmd = [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
                    *worker_args(args)]
-            log = open(tmp / f"rank{rank}_{len(procs)}.log", "w")  # noqa: SIM115 - closed in `finally`
-            p = subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else log, stderr=subprocess.STDOUT if rank else None,
-                                 start_new_session=True)
-            procs.append(p)
-            started.append((p, log))
-        deadline = time.monotonic() + args.timeout
-        while True:
-            codes = [p.poll() for p, _ in started]
-            if all(c == 0 for c in codes):
-                break
-            if any(c not in (None, 0) for c in codes):
-                logs = "".join(Path(lg.name).read_text()[-3000:] for _, lg in started[1:])
-                raise RuntimeError(f"a rank failed (exit codes {codes}) at rate {rate}\n{logs}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rate {rate}: timed out after {args.timeout} s")
-            time.sleep(0.2)
+            started.append(launch_rank(cmd, env, rank, tmp / f"rank{rank}_{len(procs)}.log"))
+            procs.append(started[-1][0])
+        wait_for_ranks(started, rate, args.timeout)
         raw = json.loads(out.read_text())
         if not name:  # the host's loopback carries other traffic too: no byte counts from it
             runs = [*raw.get("methods", {}).values()] + [r for rs in raw.get("repeats", {}).values() for r in rs]
@@ -152,23 +138,9 @@ def run_rate(rate: str, bits: float | None, ns: Namespaces, use_netns: bool, arg
         raw["qdisc"] = qdisc
         return raw
     finally:
-        for p, log in started:
-            if p.poll() is None:
-                _kill(p)
-            log.close()
+        stop_ranks(started)
         if name:
             ns.delete(name)
-
-
-def _kill(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGTERM)  # the worker's own session (start_new_session=True)
-        p.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def worker_args(args) -> list[str]:
@@ -256,7 +228,7 @@ def main() -> None:
         finally:
             for p in procs:
                 if p.poll() is None:
-                    _kill(p)
+                    kill_rank(p)
             ns.cleanup()
             shutil.rmtree(tmp, ignore_errors=True)
         return
@@ -321,7 +293,7 @@ def main() -> None:
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill(p)
+                kill_rank(p)
         ns.cleanup()
         for s, h in old.items():
             signal.signal(s, h)

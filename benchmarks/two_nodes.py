@@ -57,18 +57,16 @@ import os
 import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from netbench import LABELS, METHODS, NODE_METHODS, REPO
-from netbench.link import Interrupted, _raise_interrupted, parse_rate
+from netbench.link import Interrupted, _raise_interrupted, kill_rank, launch_rank, parse_rate, stop_ranks, wait_for_ranks
 from netbench.methods import worker
 from netbench.report import _window_freeze, fmt_bytes, summarize
 from netbench.twonode import TwoNodes, link_summary, markdown_table, node_probe
-from network import _freeze_arg, _kill, worker_args
+from network import _freeze_arg, worker_args
 
 WORLD, LOCAL = 4, 2  # 2 nodes x 2 ranks
 CHOICES = [m for m in METHODS if m != "binsgdm"] + NODE_METHODS
@@ -96,22 +94,9 @@ def run_rate(rate: str, bits: float | None, nodes: TwoNodes, args, tmp: Path, pr
                        HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
             cmd = ["ip", "netns", "exec", pair.names[node], sys.executable, str(Path(__file__).resolve()),
                    "--worker", "--worker-out", str(out), *worker_args(args)]
-            log = open(tmp / f"rank{rank}_{len(procs)}.log", "w")  # noqa: SIM115 - closed in `finally`
-            p = subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else log,
-                                 stderr=subprocess.STDOUT if rank else None, start_new_session=True)
-            procs.append(p)
-            started.append((p, log))
-        deadline = time.monotonic() + args.timeout
-        while True:
-            codes = [p.poll() for p, _ in started]
-            if all(c == 0 for c in codes):
-                break
-            if any(c not in (None, 0) for c in codes):
-                logs = "".join(Path(lg.name).read_text()[-3000:] for _, lg in started[1:])
-                raise RuntimeError(f"a rank failed (exit codes {codes}) at rate {rate}\n{logs}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rate {rate}: timed out after {args.timeout} s")
-            time.sleep(0.2)
+            started.append(launch_rank(cmd, env, rank, tmp / f"rank{rank}_{len(procs)}.log"))
+            procs.append(started[-1][0])
+        wait_for_ranks(started, rate, args.timeout)
         raw = json.loads(out.read_text())
         after = nodes.counters(pair)
         raw["link_total"] = {k: after[k] - before[k] for k in before}  # whole rate: setup, DDP broadcasts too
@@ -122,10 +107,7 @@ def run_rate(rate: str, bits: float | None, nodes: TwoNodes, args, tmp: Path, pr
         raw["nodes"] = {"namespaces": list(pair.names), "addresses": list(pair.addrs), "veths": list(pair.veths)}
         return raw
     finally:
-        for p, log in started:
-            if p.poll() is None:
-                _kill(p)
-            log.close()
+        stop_ranks(started)
         nodes.delete(pair)
 
 
@@ -238,7 +220,7 @@ def main() -> None:
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill(p)
+                kill_rank(p)
         nodes.cleanup()
         for s, h in old.items():
             signal.signal(s, h)

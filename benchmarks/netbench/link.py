@@ -9,8 +9,10 @@ import re
 import shutil
 import socket
 import statistics
+import signal
 import subprocess
 import time
+from pathlib import Path
 
 
 # ====================================================================== rates and namespaces
@@ -143,3 +145,48 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launch_rank(cmd: list[str], env: dict, rank: int, log_path: Path) -> tuple[subprocess.Popen, object]:
+    """Start one rank in a session of its own (so it can be killed with its children); rank 0
+    prints to this terminal, the others to ``log_path``. Returns ``(process, log file)``."""
+    log = open(log_path, "w")  # noqa: SIM115 - closed by stop_ranks
+    p = subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else log, stderr=subprocess.STDOUT if rank else None,
+                         start_new_session=True)
+    return p, log
+
+
+def wait_for_ranks(started: list, rate: str, timeout: float) -> None:
+    """Until every rank of ``started`` (``(process, log)`` pairs) has exited 0; a failed rank
+    (its peers' logs in the message) or ``timeout`` seconds raise ``RuntimeError``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p, _ in started]
+        if all(c == 0 for c in codes):
+            return
+        if any(c not in (None, 0) for c in codes):
+            logs = "".join(Path(lg.name).read_text()[-3000:] for _, lg in started[1:])
+            raise RuntimeError(f"a rank failed (exit codes {codes}) at rate {rate}\n{logs}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rate {rate}: timed out after {timeout} s")
+        time.sleep(0.2)
+
+
+def kill_rank(p: subprocess.Popen) -> None:
+    """SIGTERM to the rank's session, SIGKILL if it is still there 10 s later."""
+    try:
+        os.killpg(p.pid, signal.SIGTERM)  # the worker's own session (start_new_session=True)
+        p.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def stop_ranks(started: list) -> None:
+    """Kill the ranks of ``started`` that still run; close their logs."""
+    for p, log in started:
+        if p.poll() is None:
+            kill_rank(p)
+        log.close()
