@@ -29,6 +29,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from hf_onebit.kernels import reference as ref  # noqa: E402
+
 from tests.requirements import require  # noqa: E402
 
 # 64: many programs even for small buffers; 4096: the largest, one program for most of them.
@@ -176,6 +178,21 @@ def assert_scale_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------------
 # Data
 # --------------------------------------------------------------------------------------------
+
+
+def assert_pack_like_reference(backend, x: torch.Tensor, e_got: torch.Tensor, e_ref: torch.Tensor,
+                                scales: torch.Tensor, rank: int, what: str = "") -> torch.Tensor:
+    """``worker_pack`` by ``backend`` into ``e_got`` and by the reference into ``e_ref`` (two error
+    buffers that must hold the same values): the bits and the new errors must be bitwise equal.
+    The backend writes into garbage, so every byte must be written. Returns its bits."""
+    length = e_ref.numel()
+    b_ref = torch.empty(length // 8, dtype=torch.uint8)
+    b_got = garbage_bytes(length // 8)
+    ref.worker_pack(x, e_ref, scales, rank, b_ref)
+    backend.worker_pack(x, e_got, scales, rank, b_got)
+    assert_bitwise_equal(b_got, b_ref, f"bits {what}".strip())
+    assert_bitwise_equal(e_got, e_ref, f"error {what}".strip())
+    return b_got
 
 
 def padded_length(numel: int, n: int) -> int:

@@ -18,9 +18,9 @@ from tests.kernels.backends import (
     BLOCKS,
     DTYPES,
     assert_bitwise_equal,
+    assert_pack_like_reference,
     assert_scale_close,
     backends,
-    garbage_bytes,
     make_scales,
     make_x,
     padded_length,
@@ -68,12 +68,7 @@ def test_worker_ops_match_reference(backend, numel, n, dtype):
         rank = step % n
         scales = make_scales(n, step)  # the other ranks' scales
         scales[rank] = s_ref
-        b_ref = torch.empty(L // 8, dtype=torch.uint8)
-        b_got = garbage_bytes(L // 8)
-        ref.worker_pack(x, e_ref, scales, rank, b_ref)
-        backend.worker_pack(x, e_got, scales, rank, b_got)
-        assert_bitwise_equal(b_got, b_ref, f"bits at step {step}")
-        assert_bitwise_equal(e_got, e_ref, f"error at step {step}")
+        assert_pack_like_reference(backend, x, e_got, e_ref, scales, rank, f"at step {step}")
     if L:  # the error feedback actually did something (not trivially equal)
         assert e_got.abs().max() > 0
 
@@ -105,12 +100,7 @@ def test_worker_inputs_of_other_layouts_and_dtypes(backend, layout):
     error = torch.randn(1008, generator=gen)
     e_ref = error.clone()
     assert_scale_close(backend.worker_scale(x, error), ref.worker_scale(x, e_ref))
-    bits, bits_ref = torch.empty(126, dtype=torch.uint8), torch.empty(126, dtype=torch.uint8)
-    scales = torch.tensor([0.7])
-    backend.worker_pack(x, error, scales, 0, bits)
-    ref.worker_pack(x, e_ref, scales, 0, bits_ref)
-    assert_bitwise_equal(bits, bits_ref)
-    assert_bitwise_equal(error, e_ref)
+    assert_pack_like_reference(backend, x, error, e_ref, torch.tensor([0.7]), 0)
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -147,12 +137,7 @@ def test_worker_padding_only(backend):
     e_got = e_ref.clone()
     x = torch.empty(0, dtype=torch.float16)
     assert_scale_close(backend.worker_scale(x, e_got), ref.worker_scale(x, e_ref))
-    scales = torch.tensor([0.7, 1.3])
-    b_ref, b_got = torch.empty(2, dtype=torch.uint8), torch.empty(2, dtype=torch.uint8)
-    ref.worker_pack(x, e_ref, scales, 1, b_ref)
-    backend.worker_pack(x, e_got, scales, 1, b_got)
-    assert_bitwise_equal(b_got, b_ref)
-    assert_bitwise_equal(e_got, e_ref)
+    assert_pack_like_reference(backend, x, e_got, e_ref, torch.tensor([0.7, 1.3]), 1)
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -164,11 +149,7 @@ def test_worker_scales_read_only_up_to_n(backend):
     L = padded_length(x.numel(), 3)
     e_ref = torch.randn(L)
     e_got = e_ref.clone()
-    b_ref, b_got = torch.empty(L // 8, dtype=torch.uint8), torch.empty(L // 8, dtype=torch.uint8)
-    ref.worker_pack(x, e_ref, scales, 2, b_ref)
-    backend.worker_pack(x, e_got, scales, 2, b_got)
-    assert_bitwise_equal(b_got, b_ref)
-    assert_bitwise_equal(e_got, e_ref)
+    assert_pack_like_reference(backend, x, e_got, e_ref, scales, 2)
     assert not torch.equal(e_got, torch.zeros(L))
 
 
