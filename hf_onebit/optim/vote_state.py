@@ -96,13 +96,7 @@ class VoteMomenta:
     def reset_rank_state(self) -> None:
         """Error state (none here) and this rank's ``m, b`` start from zero."""
         super().reset_rank_state()
-        for p in self.params_in_order():
-            s = self.state.get(p)
-            if s:
-                s.pop("momentum", None)
-                s.pop("abs_momentum", None)
-        self._next.clear()
-        self._pending_t.clear()
+        self._forget_momenta()
         self._loaded_vote_state = None
         self._warned_fresh = True  # the caller already warned about the reset
 
@@ -114,6 +108,11 @@ class VoteMomenta:
         vote = state.get("binsgdm")
         if vote is None:
             raise ValueError("BinSGDM: this per-rank state was not saved by BinSGDM (no 'binsgdm' entry)")
+        self._forget_momenta()
+        self._loaded_vote_state = {"steps_done": int(state["steps_done"]), "params": dict(vote["params"])}
+
+    def _forget_momenta(self) -> None:
+        """Drop every parameter's ``m, b`` and the pending copies (they are rebuilt at first use)."""
         for p in self.params_in_order():
             s = self.state.get(p)
             if s:
@@ -121,4 +120,3 @@ class VoteMomenta:
                 s.pop("abs_momentum", None)
         self._next.clear()
         self._pending_t.clear()
-        self._loaded_vote_state = {"steps_done": int(state["steps_done"]), "params": dict(vote["params"])}
