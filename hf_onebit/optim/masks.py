@@ -82,26 +82,34 @@ class ZeroGradientMasks:
         if "nonzero" in state:
             state["nonzero"].logical_or_(grad != 0)
 
-    def freeze_masks(self) -> int:
-        """When compression starts: turn "never non-zero" into masks; returns how many were masked."""
+    def _tiny_rms_threshold(self, group: dict) -> float:
+        """``sqrt(v)`` below this is masked: ``sqrt(v / c) >= TINY·eps  <=>  sqrt(v) >= TINY·eps·sqrt(c)``
+        (no temporary for ``v / c``)."""
+        return TINY_GRADIENT_RMS * group["eps"] * math.sqrt(self.frozen_variance_correction(group))
+
+    def freeze_masks(self, keep_tracking: bool = False) -> int:
+        """When compression starts: turn "never non-zero" into masks; returns how many were masked.
+
+        ``keep_tracking``: go on recording where the gradient is non-zero, so that
+        :meth:`unmask_seen` can release masked coordinates later (0/1 Adam's ``refresh_mask``).
+        """
         zero = tiny = 0
         groups = self._group_map()
         for p in self.params_in_order():
             state = self.state.get(p, {})
-            nonzero = state.pop("nonzero", None)
+            nonzero = state.get("nonzero") if keep_tracking else state.pop("nonzero", None)
             if nonzero is None or state.get("mask_explicit") or not self.auto_mask:
                 continue
-            keep = nonzero.bool()
+            keep = nonzero.clone() if keep_tracking else nonzero
             zero += int((~keep).sum())
             if "exp_avg_sq" in state:
-                group = groups[id(p)]
-                # sqrt(v / c) >= TINY·eps  <=>  sqrt(v) >= TINY·eps·sqrt(c): no temporary for v / c
-                threshold = TINY_GRADIENT_RMS * group["eps"] * math.sqrt(self.frozen_variance_correction(group))
-                above = state["exp_avg_sq"].sqrt() >= threshold
+                above = state["exp_avg_sq"].sqrt() >= self._tiny_rms_threshold(groups[id(p)])
                 tiny += int((keep & ~above).sum())
                 keep &= above
             if not bool(keep.all()):
                 state["mask"] = keep  # bool: 1 byte per coordinate
+            elif keep_tracking:
+                state.pop("nonzero")  # nothing masked here: nothing to release later
         if (zero or tiny) and self.rank == 0:
             logger.warning(
                 "hf_onebit: masking %d coordinates whose gradient was zero on every warmup step and %d whose"
@@ -109,3 +117,25 @@ class ZeroGradientMasks:
                 zero, tiny, round(1 / TINY_GRADIENT_RMS),
             )
         return zero + tiny
+
+    def unmask_seen(self, state: dict, group: dict) -> None:
+        """After a variance update (0/1 Adam's ``refresh_mask``): release the masked coordinates
+        whose averaged gradient has now been non-zero and whose ``sqrt(v)`` reached the tiny-RMS
+        threshold. Once nothing of the tensor stays masked, its mask and tracking go."""
+        mask = state.get("mask")
+        nonzero = state.get("nonzero")
+        if mask is None or nonzero is None or state.get("mask_explicit"):
+            return
+        mask |= nonzero & (state["exp_avg_sq"].sqrt() >= self._tiny_rms_threshold(group))
+        if bool(mask.all()):
+            del state["mask"], state["nonzero"]
+
+    def stop_mask_tracking(self) -> int:
+        """At the freeze: the masks stay as they are from now on; returns how many coordinates stay masked."""
+        masked = 0
+        for p in self.params_in_order():
+            state = self.state.get(p, {})
+            state.pop("nonzero", None)
+            if "mask" in state and not state.get("mask_explicit"):
+                masked += int((~state["mask"]).sum())
+        return masked

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from hf_onebit.optim.base import OneBitOptimizer, Plan
+from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.local_state import LocalPhaseState
 from hf_onebit.optim.masks import ZeroGradientMasks
@@ -63,6 +63,12 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         auto_mask: from the first compressing step, keep at zero the momentum and synced update
             of coordinates whose averaged gradient was zero on every variance step, or whose
             ``sqrt(v)`` is below ``eps/100`` (not in the spec; ``False`` follows it exactly).
+        refresh_mask: with ``auto_mask``, until the variance freezes, release a masked
+            coordinate at the first variance step where its averaged gradient is non-zero (and
+            ``sqrt(v)`` reaches ``eps/100``). The first compressing step comes early (step
+            ``var_update_scaler + 1``), so without this every word-embedding row whose word was
+            not in the first few batches stays masked for the whole run. ``False`` (default):
+            the mask is fixed at the first compressing step.
         bias_correction: divide ``sqrt(v)`` by ``sqrt(1 - β2**k)``, ``k`` the number of variance
             updates so far (frozen with ``v``). Default ``True``; not in the paper or DeepSpeed
             (``False`` follows them exactly, and the spec): without it ``v`` after ``k`` updates
@@ -175,12 +181,16 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         check_finite: bool = True,
         update_clip: float | None = None,
         clip_synced_momentum: bool = True,
+        refresh_mask: bool = False,
         hierarchical: bool | None = False,
     ) -> None:
         self.update_clip = check_update_clip(update_clip)
         if not isinstance(clip_synced_momentum, bool):
             raise TypeError(f"clip_synced_momentum must be True or False, got {clip_synced_momentum!r}")
         self.clip_synced_momentum = clip_synced_momentum
+        if not isinstance(refresh_mask, bool):
+            raise TypeError(f"refresh_mask must be True or False, got {refresh_mask!r}")
+        self.refresh_mask = refresh_mask
         self.init_freeze(var_freeze_step, "var_freeze_step")
         check_positive_int(var_update_scaler, "var_update_scaler")
         check_positive_int(local_step_scaler, "local_step_scaler")
@@ -294,7 +304,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             # (1-bit steps: more traffic; local steps: not local at all).
             self.check_synced(t)
         if plan is not Plan.ALLREDUCE and not self.masks_frozen:
-            self.freeze_masks()  # before the first compressing step: from the variance steps so far
+            # before the first compressing step: from the variance steps so far
+            self.freeze_masks(keep_tracking=self.refresh_mask)
             self.masks_frozen = True
         if t <= self.var_freeze_step:
             self._variance_phase_step(plan)
@@ -314,6 +325,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             if variance_step:
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 self.track_nonzero(state, grad)
+                if self.refresh_mask and self.masks_frozen:
+                    self.unmask_seen(state, group)  # before m takes this gradient
             m.mul_(beta1).add_(grad, alpha=1 - beta1)
             if "mask" in state:
                 m.mul_(state["mask"])
@@ -356,7 +369,12 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
 
     def _enter_local_phase(self) -> None:
-        """First local step: allocate the local state; zero every error buffer."""
+        """First local step: allocate the local state; zero every error buffer; fix the masks."""
+        if self.refresh_mask:
+            masked = self.stop_mask_tracking()
+            if self.rank == 0 and masked:
+                logger.warning("hf_onebit ZeroOneAdam: %d coordinates stay masked from step %d (their gradient was"
+                               " zero on every variance step)", masked, self.var_freeze_step + 1)
         params = self.params_in_order()
         for p in params:
             self._init_local_state(p)

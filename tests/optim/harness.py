@@ -26,10 +26,16 @@ class FixedGradModel(torch.nn.Module):
         return sum((p * c).sum() for p, c in zip(self.ps, coeffs))
 
 
-def fixed_grads(step: int, rank: int, tiny: bool = False) -> list[torch.Tensor]:
+#: with ``late=True``, parameter 1's coordinates 50..79 get their first gradient at this step
+LATE_FROM = 5
+
+
+def fixed_grads(step: int, rank: int, tiny: bool = False, late: bool = False) -> list[torch.Tensor]:
     """Gradient of every parameter on ``rank`` at ``step`` (1-based); rank-dependent and varied.
 
     ``tiny``: parameter 3's first 20 coordinates get gradients of ~1e-12 (like attention key biases).
+    ``late``: parameter 1's coordinates 50..79 are zero before step ``LATE_FROM`` (embedding rows
+    whose word first appears then).
     """
     g = torch.Generator().manual_seed(7919 * step + 104729 * (rank + 1))
     out = []
@@ -37,6 +43,8 @@ def fixed_grads(step: int, rank: int, tiny: bool = False) -> list[torch.Tensor]:
         c = torch.randn(s, generator=g) * (0.5 + rank) * (1 + 0.3 * k)
         if k == 1:  # an "unused embedding row": always exactly zero on every rank
             c[:50] = 0
+            if late and step < LATE_FROM:
+                c[50:80] = 0
         if k == 3 and tiny:  # "attention key biases": tiny but non-zero (RMS far below eps)
             c[:20] *= 1e-12
         out.append(c)
@@ -56,13 +64,13 @@ def build_optimizer(name: str, params, kwargs: dict):
 
 
 def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=None, resume_dir=None,
-          bucket_cap_mb=0.01, start_step=0, record_steps=False, tiny_grads=False):
+          bucket_cap_mb=0.01, start_step=0, record_steps=False, tiny_grads=False, late_grads=False):
     """Train for ``steps`` steps; return the parameters after every step and some stats.
 
     With ``save_dir``/``save_at`` the optimizer, model and per-rank state are saved after step
     ``save_at``; with ``resume_dir`` they are loaded before training continues at ``start_step``.
     With ``record_steps`` the result also holds ``"steps"``: for every step its plan and the
-    traffic it caused (``opt.last_step_comm``).
+    traffic it caused (``opt.last_step_comm``). ``tiny_grads``, ``late_grads``: see :func:`fixed_grads`.
     """
     import hf_onebit
 
@@ -81,7 +89,7 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
     per_step = []
     for step in range(start_step + 1, start_step + steps + 1):
         plan = opt.plan().value if record_steps else None
-        coeffs = fixed_grads(step, rank, tiny_grads)
+        coeffs = fixed_grads(step, rank, tiny_grads, late_grads)
         loss = ddp(coeffs)
         loss.backward()
         opt.step()

@@ -49,7 +49,7 @@ class ZeroOneAdamSimulation:
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  auto_mask=True, bias_correction=False, scale_per_tensor=False, update_clip=None,
-                 clip_synced_momentum=True, nodes=None):
+                 clip_synced_momentum=True, refresh_mask=False, nodes=None):
         self.n = n
         # hf_onebit's option: steps that do not update v divide by max(sqrt(v̂), |m|/c) + eps (with
         # clip_synced_momentum=False a local step followed at once by a sync adds its unclipped
@@ -59,6 +59,9 @@ class ZeroOneAdamSimulation:
         # hf_onebit's deviation (auto_mask): coordinates never non-zero on a variance step, or with
         # sqrt(v) < eps/100, keep zero momentum and zero synced update from the first compressing step
         self.auto_mask, self.mask = auto_mask, None
+        # hf_onebit's option (refresh_mask): until the freeze, each variance step releases the masked
+        # coordinates that the mask rule, applied to the variance steps so far, would keep
+        self.refresh_mask = refresh_mask
         # hf_onebit's option: sqrt(v) divided by sqrt(1 - β2**k), k = variance updates so far
         self.bias_correction, self.var_updates = bias_correction, 0
         self.p = [[np.array(x, np.float32) for x in params] for _ in range(n)]  # per rank
@@ -121,6 +124,8 @@ class ZeroOneAdamSimulation:
                 for k in range(P):
                     self.v[k] = b2 * self.v[k] + (1 - b2) * gbar[k] * gbar[k]
                     self.seen[k] |= gbar[k] != 0
+                    if self.refresh_mask and self.auto_mask and self.mask is not None:
+                        self.mask[k] = np.maximum(self.mask[k], keep_mask(self.seen[k], self.v[k], self.eps))
                 self.var_counter += 1
                 self.var_updates += 1
                 if self.var_counter == self.vus:
@@ -199,8 +204,8 @@ def _initial_params():
     return [p.detach().clone() for p in FixedGradModel().parameters()]
 
 
-def _grads(step, world_size):
-    return [[g.numpy() for g in fixed_grads(step, r)] for r in range(world_size)]
+def _grads(step, world_size, late=False):
+    return [[g.numpy() for g in fixed_grads(step, r, late=late)] for r in range(world_size)]
 
 
 # ---------------------------------------------------------------- distributed: 2 and 4 ranks
@@ -221,16 +226,16 @@ def _two_configurations(rank, world_size, save_dir, per_tensor=False):
     return {"main": main, "early": early}
 
 
-def _check_against_simulation(outs, kwargs, steps, world_size, nodes=None) -> list[str]:
+def _check_against_simulation(outs, kwargs, steps, world_size, nodes=None, late=False) -> list[str]:
     """Every rank, every step: the spec simulation's parameters and plan; bitwise agreement.
     ``nodes = (M, k)``: the exchange by node (its compressed buffers take 5 rounds, 2 of them
-    full precision inside the node)."""
+    full precision inside the node). ``late``: the gradients of ``fixed_grads(late=True)``."""
     segments = outs[0]["segments"]
     assert all(o["segments"] == segments for o in outs)
     assert sorted(k for s in segments for k in s) == list(range(len(_initial_params())))
     sim = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], world_size, segments, **kwargs, nodes=nodes)
     for step in range(1, steps + 1):
-        expected = sim.step(_grads(step, world_size))
+        expected = sim.step(_grads(step, world_size, late))
         kind = sim.kinds[-1]
         for r in range(world_size):
             assert outs[r]["steps"][step - 1]["plan"] == kind, (step, r)
@@ -329,6 +334,49 @@ def test_exchange_by_node_every_phase_matches_its_simulation():
 def test_scale_per_tensor_every_phase_matches_the_piece_simulation(world_size, tmp_path):
     # KWARGS keep bias_correction=False (the spec's arithmetic); EARLY_KWARGS keep their True
     test_every_phase_matches_the_spec(world_size, tmp_path, per_tensor=True)
+
+
+REFRESH_SAVE_AT = 7  # in the variance phase, after the late coordinates were released at step 6
+
+
+def _refresh_mask_run(rank, world_size, save_dir):
+    return train(rank, world_size, OPT, dict(KWARGS, refresh_mask=True), STEPS, save_dir, REFRESH_SAVE_AT,
+                 record_steps=True, late_grads=True)
+
+
+def test_refresh_mask_matches_its_simulation_and_resumes(tmp_path):
+    """refresh_mask=True: coordinates whose first gradient comes after the first compressing step
+    (step 3) are released at the next variance step that sees them (step 6), train from then on,
+    and a run resumed in the variance phase continues bitwise."""
+    outs = run_distributed(_refresh_mask_run, 2, str(tmp_path))
+    kwargs = dict(KWARGS, refresh_mask=True)
+    assert _check_against_simulation(outs, kwargs, STEPS, 2, late=True) == SCHEDULE
+    # masked, a coordinate only decays, in the variance phase: p·(1 - lr·wd)^F (local-phase decay
+    # goes into u, which the mask zeroes at the sync; STEPS ends on a sync)
+    decayed = _initial_params()[1][50:80].numpy() * (1 - KWARGS["lr"] * KWARGS["weight_decay"]) ** KWARGS[
+        "var_freeze_step"]
+    for o in outs:
+        moved = np.abs(o["history"][-1][1][50:80].numpy() - decayed)
+        assert (moved > 1e-3).all(), "the late coordinates did not train"
+    # with the mask fixed at the first compressing step (the default) they only decay
+    fixed = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 2, outs[0]["segments"], **KWARGS)
+    for step in range(1, STEPS + 1):
+        stayed = fixed.step(_grads(step, 2, late=True))[0][1][50:80]
+    np.testing.assert_allclose(stayed, decayed, rtol=1e-5)
+
+    resumed = run_distributed(train, 2, OPT, kwargs, STEPS - REFRESH_SAVE_AT, None, None, str(tmp_path), 0.01,
+                              REFRESH_SAVE_AT, True, False, True)
+    for r in range(2):
+        for k, params in enumerate(resumed[r]["history"]):
+            full = outs[r]["history"][REFRESH_SAVE_AT + k]
+            assert all(torch.equal(a, b) for a, b in zip(params, full)), (r, REFRESH_SAVE_AT + 1 + k)
+
+
+def test_refresh_mask_is_validated():
+    from hf_onebit.optim.zeroone_adam import ZeroOneAdam
+
+    with pytest.raises(TypeError, match="refresh_mask"):
+        ZeroOneAdam([torch.nn.Parameter(torch.ones(2))], refresh_mask=1)
 
 
 CLIP = 0.5
