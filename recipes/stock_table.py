@@ -18,7 +18,8 @@ each hf_onebit optimizer needs is supplied by the launcher (``hf_onebit.integrat
 optimizers with a warmup (1-bit Adam, 0/1 Adam, 1-bit LAMB): a fixed freeze instead of the automatic
 one (run directories ``<optim>-freezeN-seed<S>``); the command line is then still the same for
 every optimizer except ``--optim``. ``--optim-args`` (an experiment, with its own ``--out``) adds
-more ``--optim_args`` for those three.
+more ``--optim_args`` for those three; ``--train-args`` (an experiment too) adds arguments of the
+stock script (``--learning_rate 1e-4``) for every run.
 
 Results land in ``outputs/stock_table/<optim>-seed<N>/all_results.json`` (written by the stock
 ``Trainer.save_metrics``) with the run's log beside it; the table (markdown) is printed and
@@ -161,6 +162,9 @@ def main() -> None:
     parser.add_argument("--optim-args", default=None,
                         help="an experiment: more --optim_args for 1-bit Adam, 0/1 Adam, 1-bit LAMB (e.g."
                              " 'update_clip=2.0'); the stock table itself passes none. Use with --out")
+    parser.add_argument("--train-args", default=None,
+                        help="an experiment: more arguments of the stock script for every optimizer run (e.g."
+                             " '--learning_rate 1e-4'); the stock table itself passes none. Use with --out")
     parser.add_argument("--out", default=str(REPO / "outputs" / "stock_table"))
     parser.add_argument("--summarize", action="store_true", help="only print the table of existing results")
     parser.add_argument("--within", type=float, default=1.0,
@@ -175,7 +179,8 @@ def main() -> None:
             for optim in args.only or OPTIMS:
                 print(f"[{time.strftime('%H:%M:%S')}] {optim} seed {seed} (load {os.getloadavg()[0]:.1f})", flush=True)
                 r = run_one(optim, seed, out / run_name(optim, seed, args.freeze), files, model,
-                            [*BUDGET, *freeze_args(optim, args.freeze, args.optim_args)])
+                            [*BUDGET, *freeze_args(optim, args.freeze, args.optim_args),
+                             *(args.train_args or "").split()])
                 print(f"    dev accuracy {100 * r['eval_accuracy']:.1f}  loss {r['eval_loss']:.3f}"
                       f"  ratio {float(r.get('onebit/ratio_vs_ddp', 1.0)):.2f}x  wall {r['wall_seconds']:.0f} s",
                       flush=True)
