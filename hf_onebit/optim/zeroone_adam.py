@@ -63,6 +63,13 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         auto_mask: from the first compressing step, keep at zero the momentum and synced update
             of coordinates whose averaged gradient was zero on every variance step, or whose
             ``sqrt(v)`` is below ``eps/100`` (not in the spec; ``False`` follows it exactly).
+        momentum_correction: in the variance phase divide the momentum by ``1 - β1**t`` (``t``
+            the step), as Adam does, so that with ``bias_correction`` the first
+            ``var_update_scaler`` steps (all variance steps) are AdamW's. Uncorrected (default;
+            the paper, DeepSpeed and the spec) the first steps are up to ``1/(1 - β1)`` = 10x
+            smaller and the run starts about ``1/(1 - β1)`` steps behind. The local phase needs no
+            correction: by then ``β1**t`` is negligible, and each sync restores an unbiased
+            momentum ``-ū/λ``.
         refresh_mask: with ``auto_mask``, until the variance freezes, release a masked
             coordinate at the first variance step where its averaged gradient is non-zero (and
             ``sqrt(v)`` reaches ``eps/100``). The first compressing step comes early (step
@@ -182,6 +189,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         update_clip: float | None = None,
         clip_synced_momentum: bool = True,
         refresh_mask: bool = False,
+        momentum_correction: bool = False,
         hierarchical: bool | None = False,
     ) -> None:
         self.update_clip = check_update_clip(update_clip)
@@ -191,6 +199,9 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         if not isinstance(refresh_mask, bool):
             raise TypeError(f"refresh_mask must be True or False, got {refresh_mask!r}")
         self.refresh_mask = refresh_mask
+        if not isinstance(momentum_correction, bool):
+            raise TypeError(f"momentum_correction must be True or False, got {momentum_correction!r}")
+        self.momentum_correction = momentum_correction
         self.init_freeze(var_freeze_step, "var_freeze_step")
         check_positive_int(var_update_scaler, "var_update_scaler")
         check_positive_int(local_step_scaler, "local_step_scaler")
@@ -308,14 +319,14 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             self.freeze_masks(keep_tracking=self.refresh_mask)
             self.masks_frozen = True
         if t <= self.var_freeze_step:
-            self._variance_phase_step(plan)
+            self._variance_phase_step(t, plan)
             self.observe_variance(t, self.var_updates)  # an automatic freeze may choose this step
         else:
             self._local_phase_step(t, plan)
         self._after_step()
         return loss
 
-    def _variance_phase_step(self, plan: Plan) -> None:
+    def _variance_phase_step(self, t: int, plan: Plan) -> None:
         variance_step = plan is Plan.ALLREDUCE
         if variance_step:
             self.var_updates += 1  # counts this step's update, which the loop below applies first
@@ -330,7 +341,11 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             m.mul_(beta1).add_(grad, alpha=1 - beta1)
             if "mask" in state:
                 m.mul_(state["mask"])
-            denom = self._denominator(state, group, None if variance_step else m)
+            # momentum_correction: m̂ = m/c1 as Adam's; m/(c1·(max(sqrt(v̂), |m̂|/clip) + eps)) = m̂/(...)
+            c1 = 1 - beta1 ** t if self.momentum_correction else 1.0
+            denom = self._denominator(state, group, None if variance_step else m, clip_scale=c1)
+            if self.momentum_correction:
+                denom.mul_(c1)
             self._update(p, m, denom, group["lr"], group["weight_decay"])
         if variance_step:
             self.var_counter += 1

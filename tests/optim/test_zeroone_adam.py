@@ -49,7 +49,7 @@ class ZeroOneAdamSimulation:
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  auto_mask=True, bias_correction=False, scale_per_tensor=False, update_clip=None,
-                 clip_synced_momentum=True, refresh_mask=False, nodes=None):
+                 clip_synced_momentum=True, refresh_mask=False, momentum_correction=False, nodes=None):
         self.n = n
         # hf_onebit's option: steps that do not update v divide by max(sqrt(v̂), |m|/c) + eps (with
         # clip_synced_momentum=False a local step followed at once by a sync adds its unclipped
@@ -62,6 +62,8 @@ class ZeroOneAdamSimulation:
         # hf_onebit's option (refresh_mask): until the freeze, each variance step releases the masked
         # coordinates that the mask rule, applied to the variance steps so far, would keep
         self.refresh_mask = refresh_mask
+        # hf_onebit's option: in the variance phase m̂ = m/(1 - β1**t)
+        self.momentum_correction = momentum_correction
         # hf_onebit's option: sqrt(v) divided by sqrt(1 - β2**k), k = variance updates so far
         self.bias_correction, self.var_updates = bias_correction, 0
         self.p = [[np.array(x, np.float32) for x in params] for _ in range(n)]  # per rank
@@ -141,7 +143,12 @@ class ZeroOneAdamSimulation:
                     if self.mask is not None:
                         self.m[r][k] = self.m[r][k] * self.mask[k]
                     clip_by = None if kind == A else self.m[r][k]
-                    self.p[r][k] = self.p[r][k] - lr * (self.m[r][k] / self._denom(k, clip_by) + wd * self.p[r][k])
+                    if self.momentum_correction:  # m̂/(max(sqrt(v̂), |m̂|/clip) + eps), m̂ = m/c1
+                        c1 = np.float32(1 - b1 ** t)
+                        denom = self._denom(k, clip_by, c1) * c1
+                    else:
+                        denom = self._denom(k, clip_by)
+                    self.p[r][k] = self.p[r][k] - lr * (self.m[r][k] / denom + wd * self.p[r][k])
         else:
             if t == self.F + 1:  # entering the frozen phase: zero the error buffers
                 for comm in self.comm:
@@ -372,11 +379,52 @@ def test_refresh_mask_matches_its_simulation_and_resumes(tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(params, full)), (r, REFRESH_SAVE_AT + 1 + k)
 
 
-def test_refresh_mask_is_validated():
+def _momentum_correction_run(rank, world_size):
+    return train(rank, world_size, OPT, dict(KWARGS, momentum_correction=True, update_clip=CLIP), STEPS,
+                 record_steps=True)
+
+
+def test_momentum_correction_matches_its_simulation():
+    """momentum_correction=True (with the update clip, whose bound then applies to m̂) through every
+    phase on 2 ranks; the uncorrected simulation ends elsewhere (the option is not ignored)."""
+    outs = run_distributed(_momentum_correction_run, 2)
+    kwargs = dict(KWARGS, momentum_correction=True, update_clip=CLIP)
+    assert _check_against_simulation(outs, kwargs, STEPS, 2) == SCHEDULE
+    plain = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 2, outs[0]["segments"],
+                                  **dict(kwargs, momentum_correction=False))
+    for step in range(1, STEPS + 1):
+        uncorrected = plain.step(_grads(step, 2))[0]
+    assert any(not np.allclose(g.numpy(), w, rtol=1e-3) for g, w in zip(outs[0]["history"][-1], uncorrected))
+
+
+def test_momentum_and_bias_correction_make_the_first_steps_adamw():
+    """One process, every step of the first var_update_scaler a variance step: with both
+    corrections 0/1 Adam is torch.optim.AdamW (an independent reference), step for step."""
+    from hf_onebit.optim.zeroone_adam import ZeroOneAdam
+
+    torch.manual_seed(0)
+    model, reference = FixedGradModel(), FixedGradModel()
+    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    opt = ZeroOneAdam(model.parameters(), **kw, var_freeze_step=100, var_update_scaler=16, bias_correction=True,
+                      momentum_correction=True)
+    adamw = torch.optim.AdamW(reference.parameters(), **kw)
+    for step in range(1, 17):
+        for o, m in ((opt, model), (adamw, reference)):
+            for p, g in zip(m.parameters(), fixed_grads(step, 0)):
+                p.grad = g.clone()
+            o.step()
+        for a, b in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    assert opt.var_updates == 16
+
+
+def test_refresh_mask_and_momentum_correction_are_validated():
     from hf_onebit.optim.zeroone_adam import ZeroOneAdam
 
     with pytest.raises(TypeError, match="refresh_mask"):
         ZeroOneAdam([torch.nn.Parameter(torch.ones(2))], refresh_mask=1)
+    with pytest.raises(TypeError, match="momentum_correction"):
+        ZeroOneAdam([torch.nn.Parameter(torch.ones(2))], momentum_correction="yes")
 
 
 CLIP = 0.5
