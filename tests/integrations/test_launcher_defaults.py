@@ -63,6 +63,13 @@ def test_lamb_learning_rate_unless_given(patched, monkeypatch, capfd):
     assert optimizer_kwargs("onebit_lamb", args)[1]["lr"] == 1e-3  # what the optimizer gets
 
 
+def test_binsgdm_learning_rate_unless_given(patched, monkeypatch, capfd):
+    args = _parse_stock(monkeypatch, ["--optim", "binsgdm"])
+    assert args.learning_rate == 1e-4 and args.max_grad_norm == 0.0
+    assert "hf_onebit: --learning_rate 0.0001 for --optim binsgdm (was 5e-05" in capfd.readouterr().err
+    assert _parse_stock(monkeypatch, ["--optim", "binsgdm", "--learning_rate", "5e-5"]).learning_rate == 5e-5
+
+
 def test_a_json_arguments_file_counts_as_given(patched, monkeypatch, tmp_path):
     from transformers import HfArgumentParser, TrainingArguments
 
