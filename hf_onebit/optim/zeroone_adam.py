@@ -82,7 +82,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             is ``1 - β2**k`` of its stationary value, so steps are up to ``1/sqrt(1 - β2**k)``
             times too large (3.2x after 100 updates with ``β2 = 0.999``, 7.9x after the 16 a
             short run gets: it diverged). ``False`` with such a freeze warns at construction.
-            The momentum is not corrected (its bias only shrinks the first steps).
+            The momentum is corrected only with ``momentum_correction``.
         hierarchical: ``True``: the exchange by node (:mod:`hf_onebit.comm.hierarchical`: an fp32
             mean inside each node, spec §1's 1-bit exchange among the node means between nodes),
             which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
