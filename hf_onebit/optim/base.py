@@ -21,7 +21,7 @@ from hf_onebit.comm.segments import Segment, SegmentRegistry
 from hf_onebit.comm.topology import NodeTopology, node_topology
 from hf_onebit.optim import adam_state, guards, rank_state
 from hf_onebit.optim.tensors import write_flat_
-from hf_onebit.optim.validation import check_betas, check_common
+from hf_onebit.optim.validation import check_betas, check_bool, check_common
 from hf_onebit.optim.workspace import Workspace
 
 logger = logging.getLogger("hf_onebit")
@@ -50,8 +50,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False, check_finite: bool = True,
                  hierarchical: bool | None = False) -> None:
-        if not isinstance(check_finite, bool):
-            raise TypeError(f"{type(self).__name__}: check_finite must be True or False, got {check_finite!r}")
+        check_bool(check_finite, f"{type(self).__name__}: check_finite")
         if hierarchical is not None and not isinstance(hierarchical, bool):
             raise TypeError(f"{type(self).__name__}: hierarchical must be True, False or None (auto), got {hierarchical!r}")
         self._check_group(defaults)  # also when every group overrides them (torch checks groups only)

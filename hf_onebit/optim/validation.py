@@ -1,5 +1,5 @@
 """Hyperparameter checks shared by the optimizers' ``_check_group`` and constructors: each raises
-``ValueError`` naming the value."""
+``ValueError`` (``TypeError`` for a switch that is not a bool) naming the value."""
 
 from __future__ import annotations
 
@@ -21,3 +21,9 @@ def check_common(lr: float, eps: float, weight_decay: float) -> None:
 def check_positive_int(value: int, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_bool(value: bool, name: str) -> None:
+    """A switch: exactly ``True`` or ``False`` (a string such as ``"false"`` would be truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -34,7 +34,7 @@ from hf_onebit.optim.local_state import LocalPhaseState
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.tensors import update_in_fp32_
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
-from hf_onebit.optim.validation import check_positive_int
+from hf_onebit.optim.validation import check_bool, check_positive_int
 
 
 class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
@@ -193,14 +193,11 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         hierarchical: bool | None = False,
     ) -> None:
         self.update_clip = check_update_clip(update_clip)
-        if not isinstance(clip_synced_momentum, bool):
-            raise TypeError(f"clip_synced_momentum must be True or False, got {clip_synced_momentum!r}")
+        for name, switch in (("clip_synced_momentum", clip_synced_momentum), ("refresh_mask", refresh_mask),
+                             ("momentum_correction", momentum_correction)):
+            check_bool(switch, name)
         self.clip_synced_momentum = clip_synced_momentum
-        if not isinstance(refresh_mask, bool):
-            raise TypeError(f"refresh_mask must be True or False, got {refresh_mask!r}")
         self.refresh_mask = refresh_mask
-        if not isinstance(momentum_correction, bool):
-            raise TypeError(f"momentum_correction must be True or False, got {momentum_correction!r}")
         self.momentum_correction = momentum_correction
         self.init_freeze(var_freeze_step, "var_freeze_step")
         check_positive_int(var_update_scaler, "var_update_scaler")
@@ -389,7 +386,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             masked = self.stop_mask_tracking()
             if self.rank == 0 and masked:
                 logger.warning("hf_onebit ZeroOneAdam: %d coordinates stay masked from step %d (their gradient was"
-                               " zero on every variance step)", masked, self.var_freeze_step + 1)
+                               " zero on every variance step, or its RMS stayed below eps/100)", masked, self.var_freeze_step + 1)
         params = self.params_in_order()
         for p in params:
             self._init_local_state(p)
