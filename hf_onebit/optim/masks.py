@@ -123,8 +123,8 @@ class ZeroGradientMasks:
         whose averaged gradient has now been non-zero and whose ``sqrt(v)`` reached the tiny-RMS
         threshold. Once nothing of the tensor stays masked, its mask and tracking go."""
         mask = state.get("mask")
-        nonzero = state.get("nonzero")
-        if mask is None or nonzero is None or state.get("mask_explicit"):
+        nonzero = state.get("nonzero")  # never kept beside an explicit mask (set_mask drops it)
+        if mask is None or nonzero is None:
             return
         mask |= nonzero & (state["exp_avg_sq"].sqrt() >= self._tiny_rms_threshold(group))
         if bool(mask.all()):
