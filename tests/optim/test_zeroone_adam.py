@@ -407,13 +407,10 @@ def test_momentum_and_bias_correction_make_the_first_steps_adamw():
     kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     opt = ZeroOneAdam(model.parameters(), **kw, var_freeze_step=100, var_update_scaler=16, bias_correction=True,
                       momentum_correction=True)
-    adamw = torch.optim.AdamW(reference.parameters(), **kw)
-    for step in range(1, 17):
-        for o, m in ((opt, model), (adamw, reference)):
-            for p, g in zip(m.parameters(), fixed_grads(step, 0)):
-                p.grad = g.clone()
-            o.step()
-        for a, b in zip(model.parameters(), reference.parameters()):
+    history, _, _ = _train_one_process(16, opt, model)
+    expected, _, _ = _train_one_process(16, torch.optim.AdamW(reference.parameters(), **kw), reference)
+    for step, (got, want) in enumerate(zip(history, expected), start=1):
+        for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
     assert opt.var_updates == 16
 
