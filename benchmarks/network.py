@@ -95,7 +95,7 @@ import tempfile
 from pathlib import Path
 
 from netbench import METHODS, REPO
-from netbench.link import (Interrupted, Namespaces, _free_port, _raise_interrupted, kill_rank, launch_rank,
+from netbench.link import (Interrupted, Namespaces, _free_port, _raise_interrupted, kill_running, launch_rank,
                            parse_rate, stop_ranks, wait_for_ranks)
 from netbench.methods import worker
 from netbench.plots import make_plots
@@ -226,9 +226,7 @@ def main() -> None:
                       f" 8 MiB all-reduce {pr['allreduce_8MiB_s'] * 1e3:.1f} ms ="
                       f" {pr['allreduce_8MiB_link_bits_per_s'] / 1e9:.2f} Gbit/s through the link (all ranks)")
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    kill_rank(p)
+            kill_running(procs)
             ns.cleanup()
             shutil.rmtree(tmp, ignore_errors=True)
         return
@@ -291,9 +289,7 @@ def main() -> None:
         print(f"\ninterrupted ({exc}): stopping ranks and removing namespaces", file=sys.stderr)
         raise SystemExit(130)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_rank(p)
+        kill_running(procs)
         ns.cleanup()
         for s, h in old.items():
             signal.signal(s, h)

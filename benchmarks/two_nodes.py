@@ -62,7 +62,7 @@ import tempfile
 from pathlib import Path
 
 from netbench import LABELS, METHODS, NODE_METHODS, REPO
-from netbench.link import Interrupted, _raise_interrupted, kill_rank, launch_rank, parse_rate, stop_ranks, wait_for_ranks
+from netbench.link import Interrupted, _raise_interrupted, kill_running, launch_rank, parse_rate, stop_ranks, wait_for_ranks
 from netbench.methods import worker
 from netbench.report import _window_freeze, fmt_bytes, summarize
 from netbench.twonode import TwoNodes, link_summary, markdown_table, node_probe
@@ -218,9 +218,7 @@ def main() -> None:
         print(f"\ninterrupted ({exc}): stopping ranks and removing namespaces", file=sys.stderr)
         raise SystemExit(130)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_rank(p)
+        kill_running(procs)
         nodes.cleanup()
         for s, h in old.items():
             signal.signal(s, h)

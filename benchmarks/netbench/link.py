@@ -184,9 +184,15 @@ def kill_rank(p: subprocess.Popen) -> None:
             pass
 
 
-def stop_ranks(started: list) -> None:
-    """Kill the ranks of ``started`` that still run; close their logs."""
-    for p, log in started:
+def kill_running(procs: list) -> None:
+    """Kill the ranks of ``procs`` (processes) that still run."""
+    for p in procs:
         if p.poll() is None:
             kill_rank(p)
+
+
+def stop_ranks(started: list) -> None:
+    """Kill the ranks of ``started`` (``(process, log)`` pairs) that still run; close their logs."""
+    kill_running([p for p, _ in started])
+    for _, log in started:
         log.close()
