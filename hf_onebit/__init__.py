@@ -4,13 +4,19 @@
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     hf_onebit.attach(ddp, opt)
 
+With FSDP2, shard inside a replica and exchange between replicas (``hf_onebit.hook.fsdp``)::
+
+    mesh = hf_onebit.replica_mesh(shard_size=1)   # or the ranks of a node
+    fully_shard(model, mesh=mesh["shard"])
+    hf_onebit.attach(model, hf_onebit.OneBitAdam(model.parameters(), lr=1e-4, freeze_step=400))
+
 With the Hugging Face Trainer: ``hf_onebit.OneBitTrainer`` and ``hf_onebit.OneBitTrainingArguments``
 (``--optim onebit_adam``); they are imported on first use, so ``import hf_onebit`` does not
 import transformers. See ``docs/integrations.md``.
 """
 
 from hf_onebit.checkpoint import load_rank_state, save_rank_state
-from hf_onebit.hook import OneBitHookState, attach, onebit_hook
+from hf_onebit.hook import OneBitHookState, attach, onebit_hook, replica_mesh
 from hf_onebit.optim import BinSGDM, OneBitAdam, OneBitLamb, OneBitOptimizer, Plan, ZeroOneAdam
 
 __version__ = "0.1.0.dev0"
@@ -46,5 +52,6 @@ __all__ = [
     "attach",
     "load_rank_state",
     "onebit_hook",
+    "replica_mesh",
     "save_rank_state",
 ]

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hf_onebit.comm import runs_inline
 from hf_onebit.comm.compat import all_gather_bytes
+from hf_onebit.hook.fsdp import attach_fsdp, is_fsdp
 from hf_onebit.hook.state import OneBitHookState, onebit_hook
 from hf_onebit.kernels.selftest import self_test
 from hf_onebit.optim import OneBitOptimizer
@@ -38,17 +39,34 @@ def attach(
         grad_scaler: the ``torch.amp.GradScaler`` used for fp16 training, if any: the hook
             unscales gradients before mixing them into optimizer state.
     """
-    if not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError(
-            f"hf_onebit.attach needs a torch.nn.parallel.DistributedDataParallel model, got"
-            f" {type(ddp_model).__name__}. FSDP, DeepSpeed ZeRO and tensor/pipeline parallelism are"
-            " not supported: use plain DDP (or DeepSpeed<=0.19.6's own 1-bit optimizers with ZeRO-0)."
-        )
     if not isinstance(optimizer, OneBitOptimizer):
         raise TypeError(f"hf_onebit.attach needs an hf_onebit optimizer, got {type(optimizer).__name__}")
+    if is_fsdp(ddp_model):
+        return attach_fsdp(ddp_model, optimizer, grad_scaler)
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"hf_onebit.attach needs a torch.nn.parallel.DistributedDataParallel model or one sharded with FSDP2's"
+            f" fully_shard, got {type(ddp_model).__name__}. FSDP1, DeepSpeed ZeRO and tensor/pipeline parallelism"
+            " are not supported: use DDP, or FSDP2 as hf_onebit.hook.fsdp describes."
+        )
+    _check_params_match(ddp_model.module, optimizer)
+    state = OneBitHookState(optimizer, ddp_model.process_group, grad_scaler)  # becomes optimizer.link
+    if optimizer.world_size == 1:
+        logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
+        return None
+    check_find_unused(ddp_model)
+    _self_test(optimizer)
+    _check_same_on_every_rank(optimizer, ddp_model.process_group)
+    _create_node_groups(optimizer)
+    ddp_model.register_comm_hook(state, onebit_hook)
+    return state
+
+
+def _check_params_match(module: torch.nn.Module, optimizer: OneBitOptimizer) -> None:
+    """The optimizer holds every trainable parameter of ``module`` and nothing else."""
     opt_params = optimizer.params_in_order()
     opt_ids = {id(p) for p in opt_params}
-    missing = [n for n, p in ddp_model.module.named_parameters() if p.requires_grad and id(p) not in opt_ids]
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in opt_ids]
     if missing:
         raise ValueError(
             f"hf_onebit.attach: {len(missing)} trainable parameter(s) of the model are not in the"
@@ -57,33 +75,32 @@ def attach(
     # Frozen parameters of the model (requires_grad=False) may stay in the optimizer, as with
     # torch optimizers: they get no gradient, so step() leaves them and their state alone. This is
     # how parameters are frozen mid-run: change requires_grad, re-wrap in DDP, attach again.
-    module_ids = {id(p) for p in ddp_model.module.parameters()}
+    module_ids = {id(p) for p in module.parameters()}
     if any(id(p) not in module_ids for p in opt_params):
-        raise ValueError("hf_onebit.attach: the optimizer holds parameters that are not parameters of the DDP model")
-    check_sparse(ddp_model.module)
-    state = OneBitHookState(optimizer, ddp_model.process_group, grad_scaler)  # becomes optimizer.link
-    if optimizer.world_size == 1:
-        logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
-        return None
-    check_find_unused(ddp_model)
-    # Triton compiles on first use: do it now, checked against the reference, not in the first
-    # compressing backward hours from here (where a failure would read as a dead peer).
-    for device, dtype in sorted({(p.device, d) for p in opt_params if runs_inline(p.device)
+        raise ValueError("hf_onebit.attach: the optimizer holds parameters that are not parameters of the model")
+    check_sparse(module)
+
+
+def _self_test(optimizer: OneBitOptimizer) -> None:
+    """Triton compiles on first use: do it now, checked against the reference, not in the first
+    compressing backward hours from here (where a failure would read as a dead peer)."""
+    for device, dtype in sorted({(p.device, d) for p in optimizer.params_in_order() if runs_inline(p.device)
                                  for d in (p.dtype, torch.float32)}, key=str):
         self_test(device, dtype)
-    _check_same_on_every_rank(optimizer, ddp_model.process_group)
+
+
+def _create_node_groups(optimizer: OneBitOptimizer) -> None:
+    """The exchange by node: every rank creates every subgroup, in the same order, here and not
+    inside a backward pass (a collective)."""
     nodes = optimizer.nodes()
-    if nodes is not None:
-        # Collective: every rank creates every subgroup, in the same order, here and not inside
-        # a backward pass.
-        nodes.create_groups()
-        if optimizer.rank == 0:
-            logger.warning(
-                "hf_onebit %s: exchange by node, %d nodes of %d ranks: full precision inside a node,"
-                " 1 bit between nodes", type(optimizer).__name__, nodes.nodes, nodes.local_size,
-            )
-    ddp_model.register_comm_hook(state, onebit_hook)
-    return state
+    if nodes is None:
+        return
+    nodes.create_groups()
+    if optimizer.rank == 0:
+        logger.warning(
+            "hf_onebit %s: exchange by node, %d nodes of %d ranks: full precision inside a node,"
+            " 1 bit between nodes", type(optimizer).__name__, nodes.nodes, nodes.local_size,
+        )
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> Optional[str]:

@@ -142,6 +142,12 @@ class OneBitHookState:
         job = self._with_context(self.optimizer.steps_done + 1, plan, lambda: seg.comm(seg.work))
         return self.submit(seg.device, job)
 
+    def all_ranks_agree(self, ok: bool) -> bool:
+        """Whether a check of this rank's gradients holds on every rank that must stop with it.
+        On the DDP path every rank holds the same exchanged gradients: ``ok`` itself (FSDP2's
+        state overrides this, see :mod:`hf_onebit.hook.fsdp`)."""
+        return ok
+
     def note_attempt(self, t: int, attempt: int, finite: torch.Tensor) -> None:
         """Record, on the device, whether a bucket result of ``attempt`` at step ``t`` was finite."""
         attempts = self._attempt_finite.setdefault(t, {})

@@ -195,6 +195,24 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__}(hierarchical=True): {exc}") from None
             return None
 
+    def replace_params(self, replacement: dict[int, torch.Tensor]) -> None:
+        """Put ``replacement[id(p)]`` in place of each listed parameter ``p``, keeping its state.
+
+        For FSDP2 (:mod:`hf_onebit.hook.fsdp`): the optimizer then steps on each DTensor
+        parameter's local shard, a plain tensor that shares its storage, so all of its maths,
+        kernels and per-rank state stay those of a plain tensor. Order, groups and indices are
+        unchanged.
+        """
+        for group in self.param_groups:
+            for k, p in enumerate(group["params"]):
+                new = replacement.get(id(p))
+                if new is None:
+                    continue
+                if p in self.state:
+                    self.state[new] = self.state.pop(p)
+                group["params"][k] = new
+        self._group_cache = self._index_cache = None
+
     def params_in_order(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 

@@ -94,15 +94,17 @@ def check_finite_grads(opt: OneBitOptimizer) -> None:
     if opt.scaled or not opt.check_finite:
         return
     grads = [p.grad for p in opt.params_in_order() if p.grad is not None]
-    if not grads:
-        return
-    if _all_finite(grads):
+    finite = not grads or _all_finite(grads)
+    if opt.link is not None:  # FSDP2: each rank of a replica holds other shards; all stop or none
+        finite = opt.link.all_ranks_agree(finite)
+    if finite:
         return
     index = opt._index_of()
     bad = [index[id(p)] for p in opt.params_in_order() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    where = f"in parameter(s) {bad[:8]} (optimizer order) on rank {opt.rank}" if bad else "on another rank's shard"
     raise FloatingPointError(
         f"hf_onebit {type(opt).__name__}: non-finite gradient at step {opt.steps_done + 1} (phase"
-        f" '{opt.phase()}') in parameter(s) {bad[:8]} (optimizer order) on rank {opt.rank}. No loss"
+        f" '{opt.phase()}') {where}. No loss"
         " scaler is attached, so the step cannot be skipped; stopping before any optimizer state"
         " changes. Remedies: lower the learning rate, clip gradients, or for fp16 pass the"
         " GradScaler to hf_onebit.attach(..., grad_scaler=scaler) so such steps are skipped."

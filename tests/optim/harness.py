@@ -51,6 +51,12 @@ def fixed_grads(step: int, rank: int, tiny: bool = False, late: bool = False) ->
     return out
 
 
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole parameter (gathered from its shards under FSDP2)."""
+    p = p.detach()
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()
+
+
 def build_optimizer(name: str, params, kwargs: dict):
     """``name`` is a class exported by ``hf_onebit`` or ``"module.path:ClassName"``."""
     import importlib
@@ -64,23 +70,29 @@ def build_optimizer(name: str, params, kwargs: dict):
 
 
 def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=None, resume_dir=None,
-          bucket_cap_mb=0.01, start_step=0, record_steps=False, tiny_grads=False, late_grads=False):
+          bucket_cap_mb=0.01, start_step=0, record_steps=False, tiny_grads=False, late_grads=False, shard_size=None):
     """Train for ``steps`` steps; return the parameters after every step and some stats.
 
     With ``save_dir``/``save_at`` the optimizer, model and per-rank state are saved after step
     ``save_at``; with ``resume_dir`` they are loaded before training continues at ``start_step``.
     With ``record_steps`` the result also holds ``"steps"``: for every step its plan and the
     traffic it caused (``opt.last_step_comm``). ``tiny_grads``, ``late_grads``: see :func:`fixed_grads`.
+    ``shard_size``: FSDP2 instead of DDP, the model sharded over replicas of that many ranks
+    (:func:`hf_onebit.replica_mesh`); the history then holds the whole parameters.
     """
     import hf_onebit
 
     torch.manual_seed(0)
     model = FixedGradModel()
+    if shard_size is not None:  # FSDP2 replaces the parameters: build the optimizer after fully_shard
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=hf_onebit.replica_mesh(shard_size, "cpu")["shard"])
     opt = build_optimizer(opt_name, model.parameters(), opt_kwargs)
     if resume_dir is not None:
         model.load_state_dict(torch.load(os.path.join(resume_dir, "model.pt"), weights_only=True))
         opt.load_state_dict(torch.load(os.path.join(resume_dir, "optimizer.pt"), weights_only=True))
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb) if shard_size is None else model
     hf_onebit.attach(ddp, opt)
     if resume_dir is not None:
         path = os.path.join(resume_dir, f"rank{rank}.pt")
@@ -94,7 +106,7 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        history.append([p.detach().clone() for p in model.parameters()])
+        history.append([_whole(p) for p in model.parameters()])
         if record_steps:
             per_step.append({"plan": plan, **opt.last_step_comm.as_dict()})
         if save_dir is not None and step == save_at:

@@ -1,0 +1,289 @@
+"""FSDP2: the 1-bit exchange between replicas of a model sharded with ``fully_shard``.
+
+Layout. ``W`` ranks form ``R`` replicas of ``S`` ranks each (``W = R·S``; a replica is
+typically a node). The model is sharded with ``fully_shard`` over the 1-D mesh of the ``S``
+ranks of its replica (:func:`replica_mesh` builds it), so inside a replica FSDP all-gathers
+parameters and reduce-scatters gradients in full precision, over the fast link. After the
+reduce-scatter, rank ``j`` of every replica holds the replica's mean gradient of the same shard
+``j``; hf_onebit then exchanges that shard between the ``R`` replicas (the ranks ``j, S+j,
+2S+j, ...``) by the optimizer's plan: 1 bit with error feedback in the compression phases, full
+precision in the warmup, nothing on 0/1 Adam's local steps, BinSGDM's vote. With ``S = 1``
+every rank holds the whole model and the exchange is DDP's, bit for bit (DDP's layout, on
+FSDP2); with ``S > 1`` it is hybrid sharding (HSDP) with a 1-bit exchange between nodes::
+
+    replica 0 (node 0)            replica 1 (node 1)
+    rank 0: shard 0  <-- 1 bit -->  rank 2: shard 0
+    rank 1: shard 1  <-- 1 bit -->  rank 3: shard 1
+      ^ reduce-scatter fp32 ^         ^ reduce-scatter fp32 ^
+
+The hook point is FSDP2's public :meth:`FSDPModule.set_all_reduce_hook`: with a mesh of one
+dimension FSDP calls it with the reduce-scatter's output (the rank's shard of every gradient of
+that FSDP module, each padded on dim 0 to an equal share), before it turns that buffer into the
+DTensor ``.grad``. hf_onebit exchanges the buffer in place, so ``.grad`` holds what DDP's hook
+would leave there (the averaged gradient, or the averaged momentum after the freeze; see
+:mod:`hf_onebit.hook`). The optimizer steps on each parameter's local shard (a plain tensor that
+shares the DTensor's storage), so its maths, kernels and per-rank state are those of the DDP
+path.
+
+Why not ``replicate`` (``torch.distributed._composable.replicate_with_fsdp``) or FSDP2's own
+HSDP (a 2-D mesh): their replica all-reduce runs in full precision inside FSDP, and the public
+API offers no way to replace it. The all-reduce hook runs *after* it, and
+``set_requires_all_reduce(False)`` keeps the shard inside FSDP for a later all-reduce, leaving
+``.grad`` unset (checked with torch 2.13). ``attach`` refuses both and names this layout.
+
+Not built yet (``docs/limitations.md``): 1-bit LAMB and the automatic freeze with ``S > 1``
+(both need norms of whole tensors, which a shard does not have), a loss scaler, FSDP's CPU
+offload and fp16 reduction, Shard(dim > 0) placements, and distributed checkpoints (DTensor
+optimizer state); with ``S = 1`` every rank's state is whole and saves as on the DDP path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hf_onebit.comm.compat import all_gather_bytes
+from hf_onebit.hook.state import OneBitHookState
+from hf_onebit.optim import OneBitOptimizer
+from hf_onebit.refusals import UnsupportedSetup
+
+try:  # torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - torch without FSDP2
+    FSDPModule = None
+try:
+    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+except ImportError:  # pragma: no cover - torch without replicate_with_fsdp
+    ReplicateModule = ()
+
+_LAYOUT = (" Shard the model over the ranks of one replica and replicate across: mesh ="
+           " hf_onebit.replica_mesh(shard_size); fully_shard(model, mesh=mesh['shard']) (shard_size=1: every"
+           " rank holds the whole model, as with DDP).")
+
+
+def is_fsdp(model: Any) -> bool:
+    """Whether ``model`` was sharded with FSDP2's ``fully_shard`` (or ``replicate``, which builds on it)."""
+    return FSDPModule is not None and isinstance(model, FSDPModule)
+
+
+def replica_mesh(shard_size: int, device_type: Optional[str] = None):
+    """The 2-D device mesh ``("replicate", "shard")`` of ``world_size // shard_size`` replicas of
+    ``shard_size`` consecutive ranks (a node: ``shard_size = LOCAL_WORLD_SIZE``). Shard the model
+    with ``fully_shard(model, mesh=mesh["shard"])``; hf_onebit exchanges between replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1 or world % shard_size:
+        raise ValueError(f"hf_onebit.replica_mesh: shard_size must be a positive divisor of the world size {world},"
+                         f" got {shard_size!r}")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+# --------------------------------------------------------------------------- one FSDP module's shard
+@dataclass
+class _ShardLayout:
+    """Where each parameter of one FSDP module sits in its reduce-scatter output on this rank.
+
+    FSDP pads every gradient on dim 0 to a multiple of ``S`` and gives each rank an equal share
+    (``padded``), of which the first ``local.numel()`` elements are the rank's shard.
+    """
+
+    module: str
+    fsdp_params: list  # FSDP's own records, to notice a parameter replaced after attach
+    locals: list  # the local shards, in the buffer's order (what the optimizer steps on)
+    offsets: list
+    padded_numel: int
+
+    def views(self, buffer: torch.Tensor) -> list:
+        return [buffer[o: o + t.numel()].view(t.shape) for t, o in zip(self.locals, self.offsets)]
+
+    def check_current(self) -> None:
+        for fp, local in zip(self.fsdp_params, self.locals):
+            if fp.sharded_param._local_tensor is not local:
+                raise RuntimeError(
+                    f"hf_onebit: a parameter of FSDP module {self.module!r} was replaced after hf_onebit.attach"
+                    " (model.to(), load_state_dict(assign=True)): the optimizer would step on the old tensor."
+                    " Move or load the model first, then build the optimizer and attach."
+                )
+
+
+def _fsdp_states(model) -> list:
+    """``(name, module, param_group)`` for every FSDP module with parameters of its own."""
+    out = []
+    for name, module in model.named_modules():
+        if not is_fsdp(module):
+            continue
+        if isinstance(module, ReplicateModule):
+            raise UnsupportedSetup(
+                "hf_onebit.attach: torch's replicate() (replicate_with_fsdp) all-reduces gradients in full precision"
+                " inside FSDP, and FSDP2's public API cannot replace that all-reduce." + _LAYOUT)
+        # FSDP2's records of the module's parameters (private; torch 2.13): the hook needs their
+        # order and padding in the reduce-scatter output, which the public API does not expose.
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise UnsupportedSetup(f"hf_onebit.attach: FSDP module {name or '<root>'!r} has several parameter groups"
+                                   " (a per-parameter mesh via shard_placement_fn); one mesh per module is supported.")
+        if groups:
+            out.append((name or "<root>", module, groups[0]))
+    return out
+
+
+def _layout(name: str, group, shard_size: int) -> _ShardLayout:
+    offsets, locals_, offset = [], [], 0
+    if group.gradient_divide_factor is not None or group.force_sum_reduction_for_comms:
+        raise UnsupportedSetup(f"hf_onebit.attach: FSDP module {name!r} sets a gradient divide factor or sum"
+                               " reduction; hf_onebit needs FSDP's mean over the replica's ranks.")
+    for fp in group.fsdp_params:
+        placement = getattr(fp, "fsdp_placement", None)
+        if placement is not None and getattr(placement, "dim", 0) != 0:
+            raise UnsupportedSetup(f"hf_onebit.attach: FSDP module {name!r} shards a parameter on dim {placement.dim};"
+                                   " only the default Shard(0) is supported.")
+        if fp.offload_to_cpu:
+            raise UnsupportedSetup("hf_onebit.attach: FSDP's CPU offload is not supported.")
+        reduced = group.mp_policy.reduce_dtype or group.mp_policy.param_dtype or fp.sharded_param.dtype
+        if reduced != torch.float32 or fp.sharded_param.dtype != torch.float32:
+            raise UnsupportedSetup(
+                f"hf_onebit.attach: FSDP module {name!r} has {fp.sharded_param.dtype} parameters reduced in {reduced};"
+                " with FSDP2 hf_onebit supports fp32 parameters and reduction for now (a MixedPrecisionPolicy with"
+                " param_dtype=bfloat16 and reduce_dtype=float32 is fine).")
+        local = fp.sharded_param._local_tensor
+        locals_.append(local)
+        offsets.append(offset)
+        offset += fp.padded_sharded_param_size.numel()
+    return _ShardLayout(name, list(group.fsdp_params), locals_, offsets, offset)
+
+
+# --------------------------------------------------------------------------- the hook state
+class FSDPHookState(OneBitHookState):
+    """:class:`OneBitHookState` whose "bucket" is one FSDP module's shard buffer and whose process
+    group joins the ranks that hold the same shard in every replica (``None``: all ranks,
+    ``S = 1``). ``shard_group``: the ranks of this rank's replica (``None`` for ``S = 1``)."""
+
+    def __init__(self, optimizer: OneBitOptimizer, process_group, shard_group, grad_scaler: Any = None) -> None:
+        super().__init__(optimizer, process_group, grad_scaler)
+        self.shard_group = shard_group
+        self.post_step_handle = None
+
+    def all_ranks_agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank of this replica (each holds a different shard, so a
+        check of its own gradients alone could stop one rank and leave the others waiting)."""
+        if self.shard_group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.shard_group)
+        return bool(flag.item())
+
+
+def _exchange_shards(state: FSDPHookState, layout: _ShardLayout, reduce_output: torch.Tensor) -> None:
+    """FSDP's all-reduce hook: run the step's plan on this module's shard buffer, in place.
+
+    Runs inside backward (after FSDP's reduce-scatter, before it writes ``.grad``) and waits for
+    the exchange: FSDP reads the buffer right after the hook returns.
+    """
+    if reduce_output.numel() != layout.padded_numel:
+        raise RuntimeError(
+            f"hf_onebit: FSDP module {layout.module!r} reduced {reduce_output.numel()} gradient elements on this rank,"
+            f" {layout.padded_numel} expected: some of its parameters got no gradient this step. With FSDP2 every"
+            " trainable parameter of a module must get a gradient at every step (freeze unused ones with"
+            " requires_grad_(False) before fully_shard).")
+    layout.check_current()
+    grads = layout.views(reduce_output)
+    result = state.reduce(layout.locals, reduce_output, grads).wait()
+    if result.data_ptr() != reduce_output.data_ptr():
+        reduce_output.copy_(result)
+    for local, grad in zip(layout.locals, grads):
+        local.grad = grad  # what the optimizer reads; FSDP's DTensor .grad views the same memory
+
+
+def _clear_local_grads(optimizer, *_unused) -> None:
+    """After ``step()``: drop the local shards' ``.grad`` (views of FSDP's buffers); the
+    DTensor ``.grad`` stays until ``zero_grad`` as usual."""
+    for p in optimizer.params_in_order():
+        p.grad = None
+
+
+def _replica_groups(shard_ranks: list, world: int):
+    """From every rank's replica (its mesh's ranks): the ranks holding the same shard in each
+    replica. Refuses meshes that are not a partition of the world into equal replicas."""
+    replicas = sorted({tuple(r) for r in shard_ranks})
+    size = len(replicas[0])
+    if any(len(r) != size for r in replicas) or sorted(x for r in replicas for x in r) != list(range(world)):
+        raise UnsupportedSetup(f"hf_onebit.attach: the FSDP meshes {replicas} do not split the {world} ranks into"
+                               " replicas of equal size." + _LAYOUT)
+    return [[r[j] for r in replicas] for j in range(size)], size
+
+
+def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> Optional[FSDPHookState]:
+    """``hf_onebit.attach`` for a model sharded with FSDP2 (see the module docstring)."""
+    from hf_onebit.hook.attach import _check_params_match, _check_same_on_every_rank, _create_node_groups, _self_test
+
+    if grad_scaler is not None:
+        raise UnsupportedSetup("hf_onebit.attach: a loss scaler with FSDP2 is not supported yet; train in bf16 or fp32.")
+    modules = _fsdp_states(model)
+    if not modules:
+        raise UnsupportedSetup("hf_onebit.attach: the FSDP2 model has no parameters managed by fully_shard.")
+    meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for _, _, g in modules}
+    if len(meshes) != 1:
+        raise UnsupportedSetup("hf_onebit.attach: the model's FSDP modules use different meshes; one mesh is supported.")
+    mesh = next(iter(meshes.values()))
+    if mesh.ndim != 1:
+        raise UnsupportedSetup(f"hf_onebit.attach: FSDP's native HSDP (a {mesh.ndim}-D mesh) all-reduces between"
+                               " replicas in full precision, which hf_onebit cannot replace." + _LAYOUT)
+    if any(not hasattr(p, "to_local") for p in optimizer.params_in_order()):
+        raise ValueError("hf_onebit.attach: the optimizer holds plain tensors, not the model's FSDP2 (DTensor)"
+                         " parameters: fully_shard replaces the parameters, so build the optimizer after it.")
+    _check_params_match(model, optimizer)
+    world = dist.get_world_size()
+    mine = pickle.dumps(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+    device = optimizer.params_in_order()[0].device
+    everyone = [pickle.loads(b) for b in all_gather_bytes(mine, device, None)]
+    replica_of, shard_size = _replica_groups(everyone, world)
+    if shard_size == world:
+        raise UnsupportedSetup(
+            f"hf_onebit.attach: the model is sharded over all {world} ranks, so there is no replica to exchange with"
+            " and nothing to compress (FSDP's own reduce-scatter carries all the traffic)." + _LAYOUT)
+    if shard_size > 1:
+        if type(optimizer).__name__ == "OneBitLamb":
+            raise UnsupportedSetup("hf_onebit.attach: 1-bit LAMB on sharded parameters (shard_size > 1) is not built:"
+                                   " its trust ratios need whole-tensor norms. Use shard_size=1.")
+        if getattr(optimizer, "auto_freeze", None) is not None:
+            raise UnsupportedSetup("hf_onebit.attach: the automatic freeze on sharded parameters (shard_size > 1) is"
+                                   " not built: it judges whole-tensor statistics. Give a fixed freeze step.")
+        if optimizer.hierarchical:
+            raise UnsupportedSetup("hf_onebit.attach: hierarchical=True with FSDP2: the replica's mesh already"
+                                   " keeps full precision inside a node; leave hierarchical off.")
+    # Every rank built the same optimizer: checked on the whole parameters' shapes, before the swap.
+    _check_same_on_every_rank(optimizer, None)
+    layouts = [_layout(name, group, shard_size) for name, _, group in modules]
+    optimizer.replace_params({id(fp.sharded_param): local for layout in layouts
+                              for fp, local in zip(layout.fsdp_params, layout.locals)})
+    if shard_size == 1:
+        cross, shard_group = None, None  # every rank is a replica: the world, as on the DDP path
+    else:
+        # Collective: every rank creates every subgroup, in the same order.
+        cross, _ = dist.new_subgroups_by_enumeration(replica_of)
+        shard_group = mesh.get_group()
+        optimizer.hierarchical = False
+    previous = optimizer.link
+    if isinstance(previous, FSDPHookState) and previous.post_step_handle is not None:
+        previous.post_step_handle.remove()
+    state = FSDPHookState(optimizer, cross, shard_group)
+    state.post_step_handle = optimizer.register_step_post_hook(_clear_local_grads)
+    _self_test(optimizer)
+    _create_node_groups(optimizer)  # shard_size 1 with hierarchical: the exchange by node, as with DDP
+    for layout, (_, module, _) in zip(layouts, modules):
+        module.set_all_reduce_hook(functools.partial(_exchange_shards, state, layout))
+    if optimizer.rank == 0 and int(os.environ.get("RANK", "0")) == 0:
+        from hf_onebit.optim.base import logger
+
+        logger.warning("hf_onebit %s on FSDP2: %d replicas of %d rank(s); %s between replicas",
+                       type(optimizer).__name__, world // shard_size, shard_size,
+                       "the DDP exchange" if shard_size == 1 else "shards exchanged by the optimizer's plan")
+    return state
