@@ -169,7 +169,30 @@ class FSDPHookState(OneBitHookState):
     def __init__(self, optimizer: OneBitOptimizer, process_group, shard_group, grad_scaler: Any = None) -> None:
         super().__init__(optimizer, process_group, grad_scaler)
         self.shard_group = shard_group
-        self.post_step_handle = None
+        self.owners: list = []  # (local shard, its DTensor parameter), in the optimizer's order
+        self.handles: list = []  # the optimizer's step hooks, removed if attach runs again
+
+    def lend_grads(self, *_unused) -> None:
+        """Before ``step()``: each local shard's ``.grad`` is its DTensor's (what FSDP wrote after the
+        exchange, clipped or accumulated as the user's loop left it), so the optimizer reads exactly
+        the gradient the user sees."""
+        for local, param in self.owners:
+            local.grad = None if param.grad is None else param.grad._local_tensor
+
+    def take_back_grads(self, *_unused) -> None:
+        """After ``step()``: the local shards hold no ``.grad`` of their own."""
+        for local, _ in self.owners:
+            local.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()`` clears the model's DTensor gradients too: they are the ones
+        FSDP accumulates into at the next backward."""
+        for _, param in self.owners:
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.zero_()
 
     def all_ranks_agree(self, ok: bool) -> bool:
         """Whether ``ok`` holds on every rank of this replica (each holds a different shard, so a
@@ -194,19 +217,9 @@ def _exchange_shards(state: FSDPHookState, layout: _ShardLayout, reduce_output: 
             " trainable parameter of a module must get a gradient at every step (freeze unused ones with"
             " requires_grad_(False) before fully_shard).")
     layout.check_current()
-    grads = layout.views(reduce_output)
-    result = state.reduce(layout.locals, reduce_output, grads).wait()
+    result = state.reduce(layout.locals, reduce_output, layout.views(reduce_output)).wait()
     if result.data_ptr() != reduce_output.data_ptr():
         reduce_output.copy_(result)
-    for local, grad in zip(layout.locals, grads):
-        local.grad = grad  # what the optimizer reads; FSDP's DTensor .grad views the same memory
-
-
-def _clear_local_grads(optimizer, *_unused) -> None:
-    """After ``step()``: drop the local shards' ``.grad`` (views of FSDP's buffers); the
-    DTensor ``.grad`` stays until ``zero_grad`` as usual."""
-    for p in optimizer.params_in_order():
-        p.grad = None
 
 
 def _replica_groups(shard_ranks: list, world: int):
@@ -262,8 +275,9 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
     # Every rank built the same optimizer: checked on the whole parameters' shapes, before the swap.
     _check_same_on_every_rank(optimizer, None)
     layouts = [_layout(name, group, shard_size) for name, _, group in modules]
-    optimizer.replace_params({id(fp.sharded_param): local for layout in layouts
-                              for fp, local in zip(layout.fsdp_params, layout.locals)})
+    local_of = {id(fp.sharded_param): local for layout in layouts for fp, local in zip(layout.fsdp_params, layout.locals)}
+    param_of = {id(local): fp.sharded_param for layout in layouts for fp, local in zip(layout.fsdp_params, layout.locals)}
+    optimizer.replace_params(local_of)
     if shard_size == 1:
         cross, shard_group = None, None  # every rank is a replica: the world, as on the DDP path
     else:
@@ -272,10 +286,12 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
         shard_group = mesh.get_group()
         optimizer.hierarchical = False
     previous = optimizer.link
-    if isinstance(previous, FSDPHookState) and previous.post_step_handle is not None:
-        previous.post_step_handle.remove()
+    for handle in getattr(previous, "handles", []):
+        handle.remove()
     state = FSDPHookState(optimizer, cross, shard_group)
-    state.post_step_handle = optimizer.register_step_post_hook(_clear_local_grads)
+    state.owners = [(p, param_of[id(p)]) for p in optimizer.params_in_order() if id(p) in param_of]
+    state.handles = [optimizer.register_step_pre_hook(state.lend_grads),
+                     optimizer.register_step_post_hook(state.take_back_grads)]
     _self_test(optimizer)
     _create_node_groups(optimizer)  # shard_size 1 with hierarchical: the exchange by node, as with DDP
     for layout, (_, module, _) in zip(layouts, modules):

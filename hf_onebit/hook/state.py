@@ -142,6 +142,10 @@ class OneBitHookState:
         job = self._with_context(self.optimizer.steps_done + 1, plan, lambda: seg.comm(seg.work))
         return self.submit(seg.device, job)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """What ``optimizer.zero_grad()`` clears besides the optimizer's own parameters: nothing
+        on the DDP path (FSDP2's state clears the model's DTensor gradients)."""
+
     def all_ranks_agree(self, ok: bool) -> bool:
         """Whether a check of this rank's gradients holds on every rank that must stop with it.
         On the DDP path every rank holds the same exchanged gradients: ``ok`` itself (FSDP2's

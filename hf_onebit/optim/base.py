@@ -213,6 +213,12 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 group["params"][k] = new
         self._group_cache = self._index_cache = None
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As in torch; the hook state may clear gradients the optimizer does not hold (FSDP2's)."""
+        super().zero_grad(set_to_none)
+        if self.link is not None:
+            self.link.zero_grad(set_to_none)
+
     def params_in_order(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
