@@ -233,6 +233,18 @@ def _replica_groups(shard_ranks: list, world: int):
     return [[r[j] for r in replicas] for j in range(size)], size
 
 
+def _check_state_fits(optimizer: OneBitOptimizer) -> None:
+    """Refuse optimizer state cut for other shards (a checkpoint of another mesh or world size):
+    stepping on it would fail in the middle of a step, or broadcast silently."""
+    for i, p in enumerate(optimizer.params_in_order()):
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != p.shape:
+                raise ValueError(
+                    f"hf_onebit.attach: optimizer state {key!r} of parameter {i} has shape {tuple(value.shape)}, this"
+                    f" rank's shard {tuple(p.shape)}: the state was saved with another mesh or world size. Resume"
+                    " with the layout it was saved with, or start the optimizer afresh.")
+
+
 def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> Optional[FSDPHookState]:
     """``hf_onebit.attach`` for a model sharded with FSDP2 (see the module docstring)."""
     from hf_onebit.hook.attach import _check_params_match, _check_same_on_every_rank, _create_node_groups, _self_test
@@ -278,6 +290,7 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
     local_of = {id(fp.sharded_param): local for layout in layouts for fp, local in zip(layout.fsdp_params, layout.locals)}
     param_of = {id(local): fp.sharded_param for layout in layouts for fp, local in zip(layout.fsdp_params, layout.locals)}
     optimizer.replace_params(local_of)
+    _check_state_fits(optimizer)
     if shard_size == 1:
         cross, shard_group = None, None  # every rank is a replica: the world, as on the DDP path
     else:

@@ -135,6 +135,51 @@ def test_the_sharded_exchange_is_not_a_full_precision_one(runs):
     assert rec["fp32_equivalent"] > 16 * rec["bytes_sent"] > 0
 
 
+# --------------------------------------------------------------------------- resume
+def _resumed(rank, world_size, save_dir, name, steps, save_at):
+    kwargs, _, tiny, _, _ = SIMULATIONS[name]
+    whole = train(rank, world_size, name, kwargs, steps, save_dir, save_at, tiny_grads=tiny, shard_size=2)
+    resumed = train(rank, world_size, name, kwargs, steps - save_at, resume_dir=save_dir, start_step=save_at,
+                    tiny_grads=tiny, shard_size=2)
+    return whole["history"][save_at:], resumed["history"]
+
+
+@pytest.mark.parametrize("name,save_at", [("OneBitAdam", 6), ("hf_onebit.optim.zeroone_adam:ZeroOneAdam", 22)])
+def test_resume_from_per_rank_shards_is_bitwise(tmp_path, name, save_at):
+    """Each rank saves its shards (parameters, optimizer state, error buffers) in the compression
+    phase (0/1 Adam: between two syncs, with local accumulators) and a fresh start continues
+    bitwise."""
+    steps = SIMULATIONS[name][1]
+    outs = run_distributed(_resumed, 4, str(tmp_path), name, steps, save_at)
+    for r, (whole, resumed) in enumerate(outs):
+        assert len(whole) == len(resumed) == steps - save_at
+        for step, (a, b) in enumerate(zip(whole, resumed), start=save_at + 1):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{name}: rank {r} differs at step {step}"
+
+
+def _other_mesh(rank, world_size, save_dir):
+    """Saved as 2 replicas of 2 ranks, resumed as 4 replicas of 1."""
+    kwargs = SIMULATIONS["OneBitAdam"][0]
+    train(rank, world_size, "OneBitAdam", kwargs, 3, save_dir, 3, shard_size=2)
+    import hf_onebit
+    from torch.distributed.fsdp import fully_shard
+
+    model = FixedGradModel()
+    fully_shard(model, mesh=hf_onebit.replica_mesh(1, "cpu")["shard"])
+    opt = hf_onebit.OneBitAdam(model.parameters(), **kwargs)
+    opt.load_state_dict(torch.load(f"{save_dir}/optimizer_rank{rank}.pt", weights_only=True))
+    try:
+        hf_onebit.attach(model, opt)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_checkpoint_of_another_mesh_is_refused(tmp_path):
+    for out in run_distributed(_other_mesh, 4, str(tmp_path)):
+        assert "saved with another mesh or world size" in out, out
+
+
 # --------------------------------------------------------------------------- refusals
 class _HalfUsed(torch.nn.Module):
     """A model whose second layer gets no gradient."""

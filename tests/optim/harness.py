@@ -89,9 +89,17 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
 
         fully_shard(model, mesh=hf_onebit.replica_mesh(shard_size, "cpu")["shard"])
     opt = build_optimizer(opt_name, model.parameters(), opt_kwargs)
+    # FSDP2: every rank saves its own shards of the parameters and of the optimizer state
+    own = "" if shard_size is None else f"_rank{rank}"
     if resume_dir is not None:
-        model.load_state_dict(torch.load(os.path.join(resume_dir, "model.pt"), weights_only=True))
-        opt.load_state_dict(torch.load(os.path.join(resume_dir, "optimizer.pt"), weights_only=True))
+        saved = torch.load(os.path.join(resume_dir, f"model{own}.pt"), weights_only=True)
+        if shard_size is None:
+            model.load_state_dict(saved)
+        else:
+            with torch.no_grad():
+                for p, local in zip(model.parameters(), saved):
+                    p.to_local().copy_(local)
+        opt.load_state_dict(torch.load(os.path.join(resume_dir, f"optimizer{own}.pt"), weights_only=True))
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb) if shard_size is None else model
     hf_onebit.attach(ddp, opt)
     if resume_dir is not None:
@@ -110,7 +118,11 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
         if record_steps:
             per_step.append({"plan": plan, **opt.last_step_comm.as_dict()})
         if save_dir is not None and step == save_at:
-            if rank == 0:
+            if shard_size is not None:
+                torch.save([p.detach().to_local().clone() for p in model.parameters()],
+                           os.path.join(save_dir, f"model{own}.pt"))
+                torch.save(opt.state_dict(), os.path.join(save_dir, f"optimizer{own}.pt"))
+            elif rank == 0:
                 torch.save(model.state_dict(), os.path.join(save_dir, "model.pt"))
                 torch.save(opt.state_dict(), os.path.join(save_dir, "optimizer.pt"))
             torch.save(opt.rank_state_dict(), os.path.join(save_dir, f"rank{rank}.pt"))
