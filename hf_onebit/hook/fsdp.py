@@ -136,11 +136,13 @@ def _fsdp_states(model) -> list:
 
 
 def _layout(name: str, group, shard_size: int) -> _ShardLayout:
-    offsets, locals_, offset = [], [], 0
+    trained, offsets, locals_, offset = [], [], [], 0
     if group.gradient_divide_factor is not None or group.force_sum_reduction_for_comms:
         raise UnsupportedSetup(f"hf_onebit.attach: FSDP module {name!r} sets a gradient divide factor or sum"
                                " reduction; hf_onebit needs FSDP's mean over the replica's ranks.")
     for fp in group.fsdp_params:
+        if not fp.sharded_param.requires_grad:  # frozen: FSDP leaves it out of the reduce-scatter
+            continue
         placement = getattr(fp, "fsdp_placement", None)
         if placement is not None and getattr(placement, "dim", 0) != 0:
             raise UnsupportedSetup(f"hf_onebit.attach: FSDP module {name!r} shards a parameter on dim {placement.dim};"
@@ -153,11 +155,11 @@ def _layout(name: str, group, shard_size: int) -> _ShardLayout:
                 f"hf_onebit.attach: FSDP module {name!r} has {fp.sharded_param.dtype} parameters reduced in {reduced};"
                 " with FSDP2 hf_onebit supports fp32 parameters and reduction for now (a MixedPrecisionPolicy with"
                 " param_dtype=bfloat16 and reduce_dtype=float32 is fine).")
-        local = fp.sharded_param._local_tensor
-        locals_.append(local)
+        trained.append(fp)
+        locals_.append(fp.sharded_param._local_tensor)
         offsets.append(offset)
         offset += fp.padded_sharded_param_size.numel()
-    return _ShardLayout(name, list(group.fsdp_params), locals_, offsets, offset)
+    return _ShardLayout(name, trained, locals_, offsets, offset)
 
 
 # --------------------------------------------------------------------------- the hook state
@@ -287,8 +289,10 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
     # Every rank built the same optimizer: checked on the whole parameters' shapes, before the swap.
     _check_same_on_every_rank(optimizer, None)
     layouts = [_layout(name, group, shard_size) for name, _, group in modules]
-    local_of = {id(fp.sharded_param): local for layout in layouts for fp, local in zip(layout.fsdp_params, layout.locals)}
-    param_of = {id(local): fp.sharded_param for layout in layouts for fp, local in zip(layout.fsdp_params, layout.locals)}
+    # Frozen parameters too: the optimizer may hold them (they get no gradient, as on the DDP path).
+    every = [fp.sharded_param for _, _, group in modules for fp in group.fsdp_params]
+    local_of = {id(p): p._local_tensor for p in every}
+    param_of = {id(p._local_tensor): p for p in every}
     optimizer.replace_params(local_of)
     _check_state_fits(optimizer)
     if shard_size == 1:

@@ -135,6 +135,44 @@ def test_the_sharded_exchange_is_not_a_full_precision_one(runs):
     assert rec["fp32_equivalent"] > 16 * rec["bytes_sent"] > 0
 
 
+def _with_a_frozen_parameter(rank, world_size, steps):
+    import hf_onebit
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.optim.harness import _whole
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    model.ps[2].requires_grad_(False)  # FSDP leaves it out of the reduce-scatter
+    fully_shard(model, mesh=hf_onebit.replica_mesh(2, "cpu")["shard"])
+    opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM)  # it holds the frozen one too
+    hf_onebit.attach(model, opt)
+    history = []
+    for step in range(1, steps + 1):
+        model(fixed_grads(step, rank, tiny=True)).backward()
+        opt.step()
+        opt.zero_grad()
+        history.append([_whole(p) for p in model.parameters()])
+    return history
+
+
+def test_frozen_parameters_stay_and_the_others_match_the_simulation():
+    steps, trained = 8, [0, 1, 3, 4]
+    outs = run_distributed(_with_a_frozen_parameter, 4, steps)
+    init = _initial()
+    sims = [OneBitAdamSimulation([_shard(init[k], j, 2) for k in trained], 2, [list(range(4))], lr=1e-2, wd=0.01,
+                                 freeze_step=4, scale_per_tensor=True) for j in range(2)]
+    for step in range(1, steps + 1):
+        shards = [sim.step([[g[k] for k in trained] for g in _replica_grads(step, 2, 2, j, True)])
+                  for j, sim in enumerate(sims)]
+        for r in range(4):
+            got = outs[r][step - 1]
+            assert torch.equal(got[2], torch.from_numpy(init[2]))
+            for i, k in enumerate(trained):
+                want = np.concatenate([shards[j][i] for j in range(2)])
+                np.testing.assert_allclose(got[k].numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 # --------------------------------------------------------------------------- resume
 def _resumed(rank, world_size, save_dir, name, steps, save_at):
     kwargs, _, tiny, _, _ = SIMULATIONS[name]
