@@ -31,6 +31,11 @@ powersgd           DDP + AdamW + torch's PowerSGD hook, as network.py configures
 onebit_adam        hf_onebit.OneBitAdam, freeze_step = --freeze: the flat exchange among 4 ranks
 onebit_adam_nodes  the same with hierarchical=True: fp32 mean inside each node, 1 bit between nodes
 (optional: fp16, zeroone_adam(_nodes), onebit_lamb(_nodes), as network.py configures them)
+hsdp_adamw         FSDP2 hybrid sharding (2-D mesh) + AdamW: fp32 reduce-scatter inside a node, fp32
+                   all-reduce of each rank's gradient shard between the nodes
+hsdp_onebit_adam   FSDP2 sharded inside each node + hf_onebit.OneBitAdam: the same reduce-scatter, then
+                   the shard exchanged with 1 bit between the nodes (hf_onebit.hook.fsdp); also
+                   hsdp_zeroone_adam
 
 Reported per method: samples/s in the compression phase (steps freeze+3 .. steps) and its ratio
 to AdamW and to flat 1-bit Adam; bytes sent per rank per step (the counters of network.py);
@@ -61,7 +66,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from netbench import LABELS, METHODS, NODE_METHODS, REPO
+from netbench import HSDP_METHODS, LABELS, METHODS, NODE_METHODS, REPO
 from netbench.link import Interrupted, _raise_interrupted, kill_running, launch_rank, parse_rate, stop_ranks, wait_for_ranks
 from netbench.methods import worker
 from netbench.report import _window_freeze, fmt_bytes, summarize
@@ -69,7 +74,7 @@ from netbench.twonode import TwoNodes, link_summary, markdown_table, node_probe
 from network import _freeze_arg, worker_args
 
 WORLD, LOCAL = 4, 2  # 2 nodes x 2 ranks
-CHOICES = [m for m in METHODS if m != "binsgdm"] + NODE_METHODS
+CHOICES = [m for m in METHODS if m != "binsgdm"] + NODE_METHODS + HSDP_METHODS
 DEFAULT_METHODS = ["adamw", "powersgd", "onebit_adam", "onebit_adam_nodes"]
 
 
@@ -119,7 +124,7 @@ def print_rate(entry: dict) -> None:
           f" after {entry['load_after']}) ===")
     for line in markdown_table(entry["rate"], summary, link):
         print(line)
-    print("samples/s: compression-phase window, all ranks; B/step per rank: what each rank sends (its counters,"
+    print("samples/s: compression-phase window, all ranks (vs AdamW: HSDP rows against HSDP + AdamW); B/step per rank: what each rank sends (its counters,"
           " intra- and inter-node); inter-node B/step: both directions, all ranks, counted (inter_node_stats"
           " for the exchange by node, gloo's algorithm shares for the flat collectives, DDP's buffer broadcast)"
           " and measured on the veth (tx of both ends: TCP/IP headers and ACKs included); intra-node: the counted"

@@ -33,6 +33,13 @@ def test_counted_per_step():
     assert out == pytest.approx([10 + 2 * 50, 10 + 2 * 10 * 7 / 12, 10 + 2 * 6, 10])
 
 
+def test_counted_hybrid_sharding_is_what_it_counts_as_crossing():
+    # step 1: the shard's exchange (inter grew by 6 of 100 sent), step 2: a local step (only
+    # FSDP's intra-node collectives grew): nothing crossed, no buffer broadcast either
+    r = [rec(100, 6), rec(190, 6)]
+    assert inter_node_counted("hsdp_zeroone_adam", [r, r], buffer_bytes=5) == pytest.approx([12, 0])
+
+
 def test_counted_torch_methods_are_rings():
     r = [rec(40), rec(80)]  # AdamW: no fp32 equivalent counter
     assert inter_node_counted("adamw", [r] * 4) == pytest.approx([80, 80])

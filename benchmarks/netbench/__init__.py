@@ -19,7 +19,13 @@ LABELS = {
     "onebit_adam_nodes": "1-bit Adam by node",
     "zeroone_adam_nodes": "0/1 Adam by node",
     "onebit_lamb_nodes": "1-bit LAMB by node",
+    "hsdp_adamw": "HSDP + AdamW",
+    "hsdp_onebit_adam": "HSDP + 1-bit Adam",
+    "hsdp_zeroone_adam": "HSDP + 0/1 Adam",
 }
 #: The exchange by node (``hierarchical=True``): only with several nodes (benchmarks/two_nodes.py).
 NODE_METHODS = ["onebit_adam_nodes", "zeroone_adam_nodes", "onebit_lamb_nodes"]
-HF_ONEBIT = {"onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm", *NODE_METHODS}
+#: FSDP2 hybrid sharding: shard inside a node, exchange between nodes (benchmarks/two_nodes.py).
+HSDP_METHODS = ["hsdp_adamw", "hsdp_onebit_adam", "hsdp_zeroone_adam"]
+HF_ONEBIT = {"onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm", *NODE_METHODS, "hsdp_onebit_adam",
+             "hsdp_zeroone_adam"}

@@ -103,6 +103,8 @@ def build_method(method: str, model, args):
 
     import hf_onebit
 
+    if method.startswith("hsdp_"):
+        return build_hsdp(method[len("hsdp_"):], model, args)
     params = [p for p in model.parameters() if p.requires_grad]
     f = args.freeze
     counter = None
@@ -131,6 +133,76 @@ def build_method(method: str, model, args):
     ddp = DDP(model)
     hf_onebit.attach(ddp, opt)
     return opt, ddp, OneBitCount(opt)
+
+
+def build_hsdp(method: str, model, args):
+    """Hybrid sharding with FSDP2 over nodes of ``LOCAL_WORLD_SIZE`` ranks (benchmarks/two_nodes.py).
+
+    Both shard the model inside a node (fp32 all-gather of the parameters, fp32 reduce-scatter of
+    the gradients, over the fast link). Between the nodes, ``adamw`` is FSDP2's native HSDP (a 2-D
+    mesh): an fp32 all-reduce of each rank's gradient shard; the hf_onebit methods shard over the
+    node's ranks only and exchange each shard between the nodes by the optimizer's plan
+    (:mod:`hf_onebit.hook.fsdp`).
+    """
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    import hf_onebit
+
+    mesh = hf_onebit.replica_mesh(int(os.environ["LOCAL_WORLD_SIZE"]), "cpu")
+    if method == "adamw":
+        fully_shard(model, mesh=mesh)  # ("replicate", "shard"): native HSDP
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+        return opt, model, HSDPCount(model, opt)
+    fully_shard(model, mesh=mesh["shard"])
+    opt = onebit_optimizer(method, [p for p in model.parameters() if p.requires_grad], args, args.freeze)
+    hf_onebit.attach(model, opt)
+    return opt, model, HSDPCount(model, opt)
+
+
+class HSDPCount:
+    """Bytes each rank sends per step under hybrid sharding, from the collectives' sizes.
+
+    Inside the node: FSDP's fp32 all-gather of every parameter (once, in the forward) and
+    reduce-scatter of the trained ones' gradients, ``(L-1)/L`` of their bytes each. Between the
+    nodes: native HSDP's fp32 ring all-reduce of the rank's ``1/L`` gradient shard, or what the
+    hf_onebit optimizer counts of its own exchange (all of which crosses: its group holds one rank
+    per node). The crossing bytes also go to ``opt.inter_node_stats``, which the two-node probe reads.
+    """
+
+    def __init__(self, model, opt) -> None:
+        import torch.distributed as dist
+
+        from hf_onebit.comm import allreduce_bytes
+        from hf_onebit.comm.stats import CommRecord, CommStats
+
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        nodes = dist.get_world_size() // local
+        every = sum(p.numel() * p.element_size() for p in model.parameters())
+        trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self.intra = (local - 1) * (every + trained) // local
+        self.onebit = hasattr(opt, "comm_stats")
+        if self.onebit:
+            opt.inter_node_stats = opt.comm_stats  # every byte it counts crosses between the nodes
+        else:
+            opt.inter_node_stats = CommStats()
+            self.record = CommRecord(bytes_sent=allreduce_bytes(trained // local, nodes), rounds=1)
+        self.opt, self.steps, self.rounds = opt, 0, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def after_step(self) -> None:
+        self.steps += 1
+        if not self.onebit:
+            self.opt.inter_node_stats.record(self.record)
+
+    def read(self) -> tuple[int, int]:
+        inter = self.opt.inter_node_stats.snapshot()
+        return self.steps * self.intra + inter.bytes_sent, 2 * self.steps + inter.rounds
 
 
 def onebit_optimizer(method: str, params, args, freeze: int):
@@ -293,7 +365,7 @@ def run_method(method: str, model_fn, batches, args, probe=None) -> dict:
             tc = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if isinstance(counter, BuiltinAllReduceCount):
+            if hasattr(counter, "after_step"):
                 counter.after_step()
             td = time.perf_counter()
             t = td - t0

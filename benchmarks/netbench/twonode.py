@@ -215,16 +215,18 @@ def inter_node_counted(method: str, recs: list, buffer_bytes: int = 0) -> list[f
     Per rank and step: the optimizer's inter-node counter where it grew (the exchange by node);
     otherwise the step's counted bytes times the share that crosses: 7/12 for a flat compressed
     step of an hf_onebit optimizer (fp32 equivalent > 2x the bytes), 1/2 for ring all-reduces.
-    Plus DDP's buffer broadcast: ``2 · buffer_bytes`` per step.
+    Plus DDP's buffer broadcast: ``2 · buffer_bytes`` per step. Hybrid sharding (``hsdp_*``)
+    counts its crossing bytes itself, also on steps with none (0/1 Adam's local steps).
     """
     steps = len(recs[0])
-    out = [float(BROADCAST_CROSSINGS * buffer_bytes)] * steps
+    hsdp = method.startswith("hsdp_")  # FSDP2: no buffer broadcast; what crosses is counted as such
+    out = [0.0 if hsdp else float(BROADCAST_CROSSINGS * buffer_bytes)] * steps
     for r in recs:
         prev = {"bytes": 0, "inter": 0, "fp32": 0}
         for s, rec in enumerate(r):
             db, di, df = (rec[k] - prev[k] for k in ("bytes", "inter", "fp32"))
             prev = rec
-            if di > 0:
+            if di > 0 or hsdp:
                 out[s] += di
             elif db > 0:
                 compressed = method != "binsgdm" and df > 2 * db
@@ -242,6 +244,7 @@ def link_summary(raw: dict, summary: dict, local_size: int = 2) -> dict:
     for method, res in raw["methods"].items():
         recs = res["records"]
         counted = inter_node_counted(method, recs, raw.get("buffer_bytes", 0))
+        broadcast = 0 if method.startswith("hsdp_") else BROADCAST_CROSSINGS * raw.get("buffer_bytes", 0)
         sent = [sum(r[s]["bytes"] - (r[s - 1]["bytes"] if s else 0) for r in recs) for s in range(n)]
         heads = recs[::local_size]  # local rank 0 of each node reads its namespace's devices
 
@@ -252,8 +255,7 @@ def link_summary(raw: dict, summary: dict, local_size: int = 2) -> dict:
             "inter_counted": sum(counted[first - 1 : n]) / win,
             "inter_measured": window("veth"),
             # every counted byte that did not cross stayed inside a node (the broadcast's 0 -> 1 aside)
-            "intra_counted": sum(sent[first - 1 : n]) / win - (sum(counted[first - 1 : n]) / win
-                                                              - BROADCAST_CROSSINGS * raw.get("buffer_bytes", 0)),
+            "intra_counted": sum(sent[first - 1 : n]) / win - (sum(counted[first - 1 : n]) / win - broadcast),
             "intra_measured": window("lo_node"),
             "inter_counted_run": sum(counted) / n,
             "inter_measured_run": sum(r[n - 1]["veth"] for r in heads) / n,
@@ -269,7 +271,7 @@ def markdown_table(rate: str, summary: dict, link: dict) -> list[str]:
     from netbench.report import fmt_bytes
 
     rows = summary["rows"]
-    base, flat = rows.get("adamw"), rows.get("onebit_adam")
+    flat = rows.get("onebit_adam")
     x = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
     lines = [
         f"| {rate} | samples/s | vs AdamW | vs 1-bit Adam | B/step per rank | inter-node B/step counted"
@@ -279,6 +281,7 @@ def markdown_table(rate: str, summary: dict, link: dict) -> list[str]:
     ]
     for m, r in rows.items():
         lk = link[m]
+        base = rows.get("hsdp_adamw" if m.startswith("hsdp_") else "adamw")  # like against like
         lines.append(
             f"| {r['label']} | {r['sps_compress']:.1f} | {x(r['sps_compress'], base['sps_compress']) if base else '-'}"
             f" | {x(r['sps_compress'], flat['sps_compress']) if flat else '-'} | {fmt_bytes(r['bytes_compress'])}"
