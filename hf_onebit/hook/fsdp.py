@@ -31,8 +31,11 @@ API offers no way to replace it. The all-reduce hook runs *after* it, and
 ``set_requires_all_reduce(False)`` keeps the shard inside FSDP for a later all-reduce, leaving
 ``.grad`` unset (checked with torch 2.13). ``attach`` refuses both and names this layout.
 
-Not built yet (``docs/limitations.md``): 1-bit LAMB and the automatic freeze with ``S > 1``
-(both need norms of whole tensors, which a shard does not have), a loss scaler, FSDP's CPU
+With ``S > 1`` the automatic freeze judges whole tensors: each rank's per-tensor sums of its shard
+are summed over its replica (one small all-reduce per check).
+
+Not built yet (``docs/limitations.md``): 1-bit LAMB with ``S > 1`` (its trust ratios need norms of
+whole tensors at every step), a loss scaler, FSDP's CPU
 offload and fp16 reduction, Shard(dim > 0) placements, and distributed checkpoints (DTensor
 optimizer state); with ``S = 1`` every rank's state is whole and saves as on the DDP path.
 """
@@ -196,6 +199,16 @@ class FSDPHookState(OneBitHookState):
                 else:
                     param.grad.zero_()
 
+    @property
+    def sharded(self) -> bool:
+        return self.shard_group is not None
+
+    def sum_over_shards(self, t: torch.Tensor) -> torch.Tensor:
+        if self.shard_group is not None:
+            t = t.clone()
+            dist.all_reduce(t, group=self.shard_group)
+        return t
+
     def all_ranks_agree(self, ok: bool) -> bool:
         """Whether ``ok`` holds on every rank of this replica (each holds a different shard, so a
         check of its own gradients alone could stop one rank and leave the others waiting)."""
@@ -280,9 +293,6 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
         if type(optimizer).__name__ == "OneBitLamb":
             raise UnsupportedSetup("hf_onebit.attach: 1-bit LAMB on sharded parameters (shard_size > 1) is not built:"
                                    " its trust ratios need whole-tensor norms. Use shard_size=1.")
-        if getattr(optimizer, "auto_freeze", None) is not None:
-            raise UnsupportedSetup("hf_onebit.attach: the automatic freeze on sharded parameters (shard_size > 1) is"
-                                   " not built: it judges whole-tensor statistics. Give a fixed freeze step.")
         if optimizer.hierarchical:
             raise UnsupportedSetup("hf_onebit.attach: hierarchical=True with FSDP2: the replica's mesh already"
                                    " keeps full precision inside a node; leave hierarchical off.")

@@ -142,6 +142,15 @@ class OneBitHookState:
         job = self._with_context(self.optimizer.steps_done + 1, plan, lambda: seg.comm(seg.work))
         return self.submit(seg.device, job)
 
+    #: Whether each rank holds shards of the parameters (FSDP2), so that statistics of whole
+    #: tensors need :meth:`sum_over_shards`.
+    sharded = False
+
+    def sum_over_shards(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks that hold the other shards of the same parameters (the
+        identity on the DDP path, where every rank holds whole tensors)."""
+        return t
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """What ``optimizer.zero_grad()`` clears besides the optimizer's own parameters: nothing
         on the DDP path (FSDP2's state clears the model's DTensor gradients)."""

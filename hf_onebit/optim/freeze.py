@@ -45,6 +45,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -130,12 +131,15 @@ class AutoFreeze:
         return True
 
     # ---------------------------------------------------------------- the decision
-    def observe(self, step: int, updates: int, variances: list[tuple[torch.Tensor, float]]) -> bool:
+    def observe(self, step: int, updates: int, variances: list[tuple[torch.Tensor, float]],
+                sum_over_shards: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
         """Called after a variance update; True when the warmup should end with this step.
 
         ``updates`` counts the variance updates so far (``k``); ``variances`` lists each tensor's
         ``v`` with its ``β2``. Decides once; after that always answers whether ``step`` is the
-        chosen step.
+        chosen step. ``sum_over_shards``: where each ``v`` is one rank's shard of a tensor (FSDP2),
+        sums the per-tensor sums and sizes over the ranks holding its other shards, so every rank
+        judges the whole tensors and picks the same step.
         """
         if self.chosen is not None:
             return step == self.chosen
@@ -143,7 +147,7 @@ class AutoFreeze:
             return self._choose(step, None, updates)
         if updates < 1 or updates % self.window or updates == self._reference_update:
             return False  # not a check, or this update count was checked already (0/1 Adam's 1-bit steps)
-        estimates = _rms_estimates(variances, updates)
+        estimates = _rms_estimates(variances, updates, sum_over_shards)
         previous, self._reference, prev_update = self._reference, estimates, self._reference_update
         self._reference_update = updates
         if previous is None or len(previous) != len(estimates) or updates - prev_update != self.window:
@@ -200,16 +204,24 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
-def _rms_estimates(variances: list[tuple[torch.Tensor, float]], updates: int) -> list[float]:
-    """``sqrt(mean(v / (1 - β2^k)))`` per tensor, with one fused norm and one host sync."""
+def _rms_estimates(variances: list[tuple[torch.Tensor, float]], updates: int,
+                   sum_over_shards: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[float]:
+    """``sqrt(mean(v / (1 - β2^k)))`` per tensor, with one fused norm and one host sync.
+
+    ``sum_over_shards`` (see :meth:`AutoFreeze.observe`): one all-reduce of the sums and sizes,
+    and no empty tensor left out (a shard may be empty on one rank and not on another).
+    """
     # logical order: a channels_last variance sums (and so freezes) like a contiguous one
-    tensors = [v.contiguous() for v, _ in variances if v.numel()]  # contiguous() returns v itself if it is
-    betas = [b2 for v, b2 in variances if v.numel()]
-    if not tensors:
+    kept = [(v.contiguous(), b2) for v, b2 in variances if v.numel() or sum_over_shards is not None]
+    if not kept:
         return []
-    sums = torch.stack(torch._foreach_norm(tensors, 1, dtype=torch.float32)).tolist()  # v >= 0: ‖v‖₁ = Σ v
+    sums = torch.stack(torch._foreach_norm([v for v, _ in kept], 1, dtype=torch.float32))  # v >= 0: ‖v‖₁ = Σ v
+    sizes = [v.numel() for v, _ in kept]
+    if sum_over_shards is not None:
+        both = sum_over_shards(torch.cat([sums.double(), torch.tensor(sizes, dtype=torch.float64, device=sums.device)]))
+        sums, sizes = both[: len(kept)], [int(n) for n in both[len(kept):].tolist()]
     # β2 in [0, 1) (checked at construction) and updates >= 1, so 1 - β2^k > 0
-    return [math.sqrt(s / v.numel() / (1 - b2**updates)) for s, v, b2 in zip(sums, tensors, betas)]
+    return [math.sqrt(s / n / (1 - b2**updates)) for s, n, (_, b2) in zip(sums.tolist(), sizes, kept) if n]
 
 
 #: What the freeze step reads as while an automatic freeze has not chosen yet: a step no run
@@ -260,7 +272,8 @@ class FreezeSchedule:
         auto = self.auto_freeze
         if auto is None or auto.chosen is not None:
             return
-        if auto.observe(step, updates, self._variance_tensors()) and self.rank == 0:
+        shards = self.link.sum_over_shards if self.link is not None and self.link.sharded else None
+        if auto.observe(step, updates, self._variance_tensors(), shards) and self.rank == 0:
             logger.warning("hf_onebit %s: %s; %s=%d", type(self).__name__, auto.describe(), self._freeze_name, step)
 
     def warn_uncorrected_variance(self, beta2: float, updates: int | None = None) -> None:

@@ -173,6 +173,51 @@ def test_frozen_parameters_stay_and_the_others_match_the_simulation():
                 np.testing.assert_allclose(got[k].numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def _drifting_grads(step: int, rank: int) -> list:
+    """``fixed_grads`` whose first half on dim 0 (shard 0 of 2) grows until step 14: that shard's
+    RMS gradient keeps moving while the other's has settled."""
+    out = fixed_grads(step, rank)
+    for c in out:
+        c[: (c.shape[0] + 1) // 2] *= 1 + 4 * min(step, 14) / 14
+    return out
+
+
+def _auto_freeze_runs(rank, world_size, kwargs, steps):
+    """The same run on DDP (whole tensors) and on 2 replicas of 2 shards: the chosen steps."""
+    import hf_onebit
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    chosen = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = FixedGradModel()
+        if sharded:
+            fully_shard(model, mesh=hf_onebit.replica_mesh(2, "cpu")["shard"])
+        opt = hf_onebit.OneBitAdam(model.parameters(), **kwargs)
+        wrapped = model if sharded else DDP(model)
+        hf_onebit.attach(wrapped, opt)
+        for step in range(1, steps + 1):
+            wrapped(_drifting_grads(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+        chosen.append(opt.global_state()["auto_freeze"]["chosen"])
+    return chosen
+
+
+def test_the_automatic_freeze_on_shards_picks_the_step_of_whole_tensors():
+    """Each rank judges its shards' sums added over its replica: all 4 ranks pick one step, the
+    step DDP picks on the same gradients (whole tensors), although one shard settles long before
+    the other."""
+    from hf_onebit.optim.freeze import AutoFreeze
+
+    kwargs = dict(ONEBIT_ADAM, freeze_step=AutoFreeze(min_step=3, max_step=40, window=2, tolerance=0.05))
+    chosen = run_distributed(_auto_freeze_runs, 4, kwargs, 30)
+    ddp = chosen[0][0]
+    assert ddp is not None and 3 <= ddp < 30, chosen  # decided by the rule, not by a bound
+    assert all(c == [ddp, ddp] for c in chosen), chosen
+
+
 # --------------------------------------------------------------------------- resume
 def _resumed(rank, world_size, save_dir, name, steps, save_at):
     kwargs, _, tiny, _, _ = SIMULATIONS[name]
@@ -256,8 +301,6 @@ def _refusal(rank, world_size, case):
             fully_shard(model, mesh=hf_onebit.replica_mesh(shard, "cpu")["shard"])
             if case == "lamb":
                 opt = hf_onebit.OneBitLamb(model.parameters(), freeze_step=2)
-            elif case == "auto":
-                opt = hf_onebit.OneBitAdam(model.parameters(), freeze_step="auto")
             else:
                 opt = hf_onebit.OneBitAdam(model.parameters(), freeze_step=2)
             if case == "scaler":
@@ -274,7 +317,6 @@ REFUSALS = {
     "optimizer_first": "build the optimizer after",
     "whole_world": "sharded over all 4 ranks",
     "lamb": "1-bit LAMB on sharded parameters",
-    "auto": "automatic freeze on sharded parameters",
     "scaler": "loss scaler with FSDP2",
     "unused": "some of its parameters got no gradient",
 }
