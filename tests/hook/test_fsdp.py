@@ -228,6 +228,67 @@ def test_the_automatic_freeze_on_shards_picks_the_step_of_whole_tensors():
     assert all(c == [ddp, ddp] for c in chosen), chosen
 
 
+class _Holder(torch.nn.Module):
+    """Some of FixedGradModel's parameters, as a module FSDP can shard on its own."""
+
+    def __init__(self, params) -> None:
+        super().__init__()
+        self.ps = torch.nn.ParameterList(params)
+
+    def forward(self, coeffs):
+        return sum((p * c).sum() for p, c in zip(self.ps, coeffs))
+
+
+class _TwoModules(torch.nn.Module):
+    """FixedGradModel's parameters 0-2 and 3-4 in two submodules, each sharded by its own
+    ``fully_shard`` (as per-layer wrapping does); the root holds none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in FixedGradModel().parameters()]
+        self.first, self.second = _Holder(ps[:3]), _Holder(ps[3:])
+
+    def forward(self, coeffs):
+        return self.first(coeffs[:3]) + self.second(coeffs[3:])
+
+
+def _per_module(rank, world_size, steps):
+    import hf_onebit
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.optim.harness import _whole
+
+    model = _TwoModules()
+    mesh = hf_onebit.replica_mesh(2, "cpu")["shard"]
+    for module in (model.first, model.second, model):
+        fully_shard(module, mesh=mesh)
+    opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM)
+    hf_onebit.attach(model, opt)
+    history = []
+    for step in range(1, steps + 1):
+        model(fixed_grads(step, rank, tiny=True)).backward()
+        opt.step()
+        opt.zero_grad()
+        history.append([_whole(p) for p in model.parameters()])
+    return history, sorted(opt.segments.keys())
+
+
+def test_each_fsdp_module_is_its_own_buffer_and_matches_the_simulation():
+    steps = 8
+    outs = run_distributed(_per_module, 4, steps)
+    assert all(o[1] == [(0, 1, 2), (3, 4)] for o in outs), [o[1] for o in outs]
+    sims = [OneBitAdamSimulation([_shard(x, j, 2) for x in _initial()], 2, [[0, 1, 2], [3, 4]], lr=1e-2, wd=0.01,
+                                 freeze_step=4, scale_per_tensor=True) for j in range(2)]
+    for step in range(1, steps + 1):
+        shards = [sim.step(_replica_grads(step, 2, 2, j, True)) for j, sim in enumerate(sims)]
+        for r in range(4):
+            for k, got in enumerate(outs[r][0][step - 1]):
+                want = np.concatenate([shards[j][k] for j in range(2)])
+                np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                           err_msg=f"step {step}, rank {r}, parameter {k}")
+
+
 # --------------------------------------------------------------------------- resume
 def _resumed(rank, world_size, save_dir, name, steps, save_at):
     kwargs, _, tiny, _, _ = SIMULATIONS[name]
