@@ -214,7 +214,8 @@ class FSDPHookState(OneBitHookState):
         check of its own gradients alone could stop one rank and leave the others waiting)."""
         if self.shard_group is None:
             return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        # on the parameters' device: an NCCL group reduces CUDA tensors only
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.optimizer.params_in_order()[0].device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.shard_group)
         return bool(flag.item())
 
