@@ -1,6 +1,6 @@
 """Two emulated nodes of two ranks: the exchange by node (hierarchical 1-bit Adam) against the flat ones.
 
-    python benchmarks/two_nodes.py --rates 100mbit 1gbit [--steps 20] [--freeze 4] [--json two_nodes.json]
+    python benchmarks/two_nodes.py --rates 100mbit 1gbit [--steps 20] [--freeze 4] [--json two_nodes.json] [--plot two_nodes.png]
     (as root; see docs/benchmarks.md, "Two nodes: hierarchical 1-bit Adam")
 
 What it does
@@ -69,6 +69,7 @@ from pathlib import Path
 from netbench import HSDP_METHODS, LABELS, METHODS, NODE_METHODS, REPO
 from netbench.link import Interrupted, _raise_interrupted, kill_running, launch_rank, parse_rate, stop_ranks, wait_for_ranks
 from netbench.methods import worker
+from netbench.plots import two_node_plot
 from netbench.report import _window_freeze, fmt_bytes, summarize
 from netbench.twonode import TwoNodes, link_summary, markdown_table, node_probe
 from network import _freeze_arg, worker_args
@@ -155,6 +156,7 @@ def main() -> None:
                         help="JSON of extra keyword arguments for the hf_onebit optimizers")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     parser.add_argument("--report-from", type=Path, default=None, help="only print the tables of an earlier --json")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG: samples/s and inter-node bytes per method")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per rate")
     parser.add_argument("--pg-timeout", type=float, default=600, help="gloo timeout (s)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -180,6 +182,8 @@ def main() -> None:
         print(results["meta"]["command"])
         for entry in results["rates"]:
             print_rate(entry)
+        if args.plot:
+            print(f"plot: {two_node_plot(results, args.plot)}")
         return
     if _window_freeze(args) + 3 > args.steps:
         raise SystemExit("--steps must exceed --freeze + 2 (the compression-phase window starts at freeze + 3)")
@@ -219,6 +223,8 @@ def main() -> None:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(results, indent=1))
         print(f"load average at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+        if args.plot:
+            print(f"plot: {two_node_plot(results, args.plot)}")
     except Interrupted as exc:
         print(f"\ninterrupted ({exc}): stopping ranks and removing namespaces", file=sys.stderr)
         raise SystemExit(130)

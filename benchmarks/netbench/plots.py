@@ -152,3 +152,39 @@ def r_label(bits: float) -> str:
             v = bits / div
             return f"{v:g}{unit}"
     return f"{bits:g}bit"
+
+
+def two_node_plot(results: dict, path: Path) -> Path:
+    """benchmarks/two_nodes.py: samples/s of every method at every inter-node rate, and the bytes
+    per step that crossed between the nodes (counted, and measured on the veth)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = results["rates"]
+    methods = list(rates[0]["summary"]["rows"])
+    fig, (speed, wire) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / len(rates)
+    for i, entry in enumerate(rates):
+        rows, link = entry["summary"]["rows"], entry["link"]
+        xs = [k + i * width for k in range(len(methods))]
+        bars = speed.bar(xs, [rows[m]["sps_compress"] for m in methods], width, label=entry["rate"])
+        speed.bar_label(bars, fmt="%.1f", fontsize=7)
+        wire.bar(xs, [link[m]["inter_measured"] for m in methods], width, label=f"{entry['rate']}, on the veth")
+        wire.scatter(xs, [max(link[m]["inter_counted"], 1) for m in methods], color="black", marker="_", s=200,
+                     zorder=3, label="counted" if i == 0 else None)
+    for ax in (speed, wire):
+        ax.set_xticks([k + width * (len(rates) - 1) / 2 for k in range(len(methods))])
+        ax.set_xticklabels([LABELS.get(m, m) for m in methods], rotation=20, ha="right", fontsize=8)
+        ax.legend(fontsize=8)
+    speed.set_ylabel("samples/s, compression phase (all ranks)")
+    speed.set_title("2 nodes x 2 ranks: throughput")
+    wire.set_yscale("log")
+    wire.set_ylabel("bytes per step between the nodes (both directions)")
+    wire.set_title("what crossed the inter-node link")
+    loads = [x for r in rates for x in (r["load_before"][0], r["load_after"][0])]
+    meta = results["meta"]
+    how = (f"{meta['command']}  |  {meta['machine']}, 2 namespaces x 2 gloo ranks, veth rate-limited with tc tbf"
+           f"  |  {meta['date']}, load average {min(loads):.1f}-{max(loads):.1f}")
+    return save_plot(fig, how, path, bottom=0.07)
