@@ -85,10 +85,12 @@ def check_distributed_type(distributed_type, parallelism_config=None) -> None:
 
 def fsdp_message() -> str:
     return (
-        "hf_onebit does not support FSDP: its optimizers replace DDP's gradient all-reduce with a 1-bit"
-        " one, and FSDP shards gradients and optimizer state instead of all-reducing them. Use plain DDP"
-        " (drop --fsdp / `distributed_type: FSDP`; e.g. recipes/accelerate/single_node_multi_gpu.yaml), or"
-        " keep FSDP with a standard optimizer such as --optim adamw_torch."
+        "hf_onebit's Trainer/Accelerate integration does not support FSDP yet: Accelerate shards the model"
+        " itself (for HSDP on a 2-D mesh whose full-precision replica all-reduce hf_onebit cannot replace)."
+        " Use plain DDP (drop --fsdp / `distributed_type: FSDP`; e.g."
+        " recipes/accelerate/single_node_multi_gpu.yaml), or keep FSDP with a standard optimizer such as"
+        " --optim adamw_torch. In a plain PyTorch loop, FSDP2 sharded inside each node works with"
+        " hf_onebit.attach (docs/api.md, 'With FSDP2')."
     )
 
 
