@@ -31,11 +31,12 @@ API offers no way to replace it. The all-reduce hook runs *after* it, and
 ``set_requires_all_reduce(False)`` keeps the shard inside FSDP for a later all-reduce, leaving
 ``.grad`` unset (checked with torch 2.13). ``attach`` refuses both and names this layout.
 
-With ``S > 1`` the automatic freeze judges whole tensors: each rank's per-tensor sums of its shard
-are summed over its replica (one small all-reduce per check).
+With ``S > 1`` what is judged on whole tensors sums (or maximises) each rank's per-tensor figures
+over its replica: the automatic freeze's statistics (one small all-reduce per check) and 1-bit
+LAMB's norms, factors and momentum scalings (two small all-reduces per step, and one copy of the
+rank's shards for the directions held meanwhile).
 
-Not built yet (``docs/limitations.md``): 1-bit LAMB with ``S > 1`` (its trust ratios need norms of
-whole tensors at every step), a loss scaler, FSDP's CPU
+Not built yet (``docs/limitations.md``): a loss scaler, FSDP's CPU
 offload and fp16 reduction, Shard(dim > 0) placements, and distributed checkpoints (DTensor
 optimizer state); with ``S = 1`` every rank's state is whole and saves as on the DDP path.
 """
@@ -209,6 +210,12 @@ class FSDPHookState(OneBitHookState):
             dist.all_reduce(t, group=self.shard_group)
         return t
 
+    def max_over_shards(self, t: torch.Tensor) -> torch.Tensor:
+        if self.shard_group is not None:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
+        return t
+
     def all_ranks_agree(self, ok: bool) -> bool:
         """Whether ``ok`` holds on every rank of this replica (each holds a different shard, so a
         check of its own gradients alone could stop one rank and leave the others waiting)."""
@@ -291,9 +298,6 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
             f"hf_onebit.attach: the model is sharded over all {world} ranks, so there is no replica to exchange with"
             " and nothing to compress (FSDP's own reduce-scatter carries all the traffic)." + _LAYOUT)
     if shard_size > 1:
-        if type(optimizer).__name__ == "OneBitLamb":
-            raise UnsupportedSetup("hf_onebit.attach: 1-bit LAMB on sharded parameters (shard_size > 1) is not built:"
-                                   " its trust ratios need whole-tensor norms. Use shard_size=1.")
         if optimizer.hierarchical:
             raise UnsupportedSetup("hf_onebit.attach: hierarchical=True with FSDP2: the replica's mesh already"
                                    " keeps full precision inside a node; leave hierarchical off.")

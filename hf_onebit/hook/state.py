@@ -151,6 +151,10 @@ class OneBitHookState:
         identity on the DDP path, where every rank holds whole tensors)."""
         return t
 
+    def max_over_shards(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``t`` over those ranks (the identity on the DDP path)."""
+        return t
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """What ``optimizer.zero_grad()`` clears besides the optimizer's own parameters: nothing
         on the DDP path (FSDP2's state clears the model's DTensor gradients)."""

@@ -235,7 +235,8 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         u.mul_(coeff)
         update_in_fp32_(p, lambda w: w.add_(u, alpha=-lr))
 
-    def _warmup_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    def _warmup_direction(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict):
+        """Adam's moments, then the direction ``u = m/(sqrt(v)+eps) + wd·p`` and the weights ``pf``."""
         beta1, beta2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m.mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -245,7 +246,11 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         u = m / v.sqrt().add_(group["eps"])
         if group["weight_decay"]:
             u.add_(pf, alpha=group["weight_decay"])
-        w_norm, u_norm = _norm(pf), _norm(u)
+        return pf, u
+
+    def _warmup_finish(self, p: torch.Tensor, u: torch.Tensor, w_norm: torch.Tensor, u_norm: torch.Tensor,
+                       state: dict, group: dict) -> None:
+        """The trust ratio ``c`` from the whole tensor's norms, its average, the step."""
         ratio = (w_norm / u_norm).clamp_(group["min_coeff"], group["max_coeff"])
         c = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
         cb = group["coeff_beta"]
@@ -253,7 +258,15 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         frozen.copy_(torch.where(c != 1, frozen * cb + (1 - cb) * c, frozen))
         self._apply_update(p, u, c, group["lr"])
 
-    def _compression_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, synced: bool) -> None:
+    def _warmup_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        pf, u = self._warmup_direction(p, grad, state, group)
+        self._warmup_finish(p, u, _norm(pf), _norm(u), state, group)
+
+    def _compression_direction(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, synced: bool,
+                               keep: bool = False):
+        """The momentum and fresh variance, then the direction ``u`` with its preliminary factor
+        ``max(denom/fresh)`` and the norms of ``u`` before and after weight decay (``None``
+        without it). ``keep``: ``u`` in its own memory (not a workspace slot the next parameter reuses)."""
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
         m, v, v_fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
@@ -270,15 +283,24 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         root = torch.sqrt(v, out=ws.get(0, p))
         denom = torch.add(root, eps, out=ws.get(2, p))  # sqrt(v) + eps
         fresh = torch.sqrt(v_fresh, out=ws.get(1, p)).add_(eps)
-        factor = torch.div(denom, fresh, out=fresh).max()
+        ratios = torch.div(denom, fresh, out=fresh)
+        # an empty shard (FSDP2) has no ratio: 0 leaves the maximum over the other shards
+        factor = ratios.max() if ratios.numel() else torch.zeros((), dtype=torch.float32, device=p.device)
         if self.update_clip is not None:  # |m/denom| <= update_clip
             denom = clip_root_(root, m, self.update_clip, ws.get(1, p)).add_(eps)
-        u = torch.div(m, denom, out=ws.get(1, p))
+        u = torch.div(m, denom, out=None if keep else ws.get(1, p))
+        prelim_norm = u_norm = None
         if wd:
             pf = p if p.dtype == torch.float32 else p.float()
             prelim_norm = _norm(u)
             u.add_(pf, alpha=wd)
             u_norm = _norm(u)
+        return u, factor, prelim_norm, u_norm
+
+    def _compression_finish(self, p: torch.Tensor, u: torch.Tensor, factor: torch.Tensor, prelim_norm, u_norm,
+                            state: dict, group: dict) -> None:
+        """The factor (weight decay's share, bounds, threshold against the last one), the step."""
+        if group["weight_decay"]:
             rho = torch.where(u_norm > 0, (prelim_norm / u_norm).clamp(max=1.0), torch.ones_like(u_norm))
             factor = rho * factor + (1 - rho)
         factor = factor.clamp(group["factor_min"], group["factor_max"])
@@ -287,6 +309,40 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         factor = torch.clamp(factor, last * (1 - thr), last * (1 + thr))
         last.copy_(factor)
         self._apply_update(p, u, state["coeff_frozen"] * factor, group["lr"])
+
+    def _compression_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, synced: bool) -> None:
+        u, factor, prelim_norm, u_norm = self._compression_direction(p, grad, state, group, synced)
+        self._compression_finish(p, u, factor, prelim_norm, u_norm, state, group)
+
+    def _sharded_step(self, compress: bool, synced: bool) -> None:
+        """FSDP2 with shards (:mod:`hf_onebit.hook.fsdp`): each rank holds a shard of every tensor,
+        so the norms and the factor's maximum are of the whole tensor: every parameter's
+        direction first, then one sum and one maximum over the replica's ranks, then the steps.
+        Holds every direction ``u`` at once (one extra copy of the rank's shards)."""
+        link = self.link
+        pending = []
+        for p, grad, state, group in self.grads_in_order(self._init_state):
+            if compress:
+                u, factor, prelim, u_norm = self._compression_direction(p, grad, state, group, synced, keep=True)
+                pending.append((p, state, group, u, factor, prelim, u_norm))
+            else:
+                pf, u = self._warmup_direction(p, grad, state, group)
+                pending.append((p, state, group, u, _norm(pf), _norm(u)))
+        if not pending:
+            return
+        if compress:
+            decays = [x for x in pending if x[2]["weight_decay"]]
+            factors = link.max_over_shards(torch.stack([x[4] for x in pending]))
+            squares = link.sum_over_shards(torch.stack([n for x in decays for n in x[5:7]] or
+                                                       [torch.zeros((), device=factors.device)]) ** 2).sqrt()
+            norms = {id(x[0]): (squares[2 * i], squares[2 * i + 1]) for i, x in enumerate(decays)}
+            for (p, state, group, u, _, _, _), factor in zip(pending, factors):
+                prelim, u_norm = norms.get(id(p), (None, None))
+                self._compression_finish(p, u, factor, prelim, u_norm, state, group)
+        else:
+            norms = link.sum_over_shards(torch.stack([n for x in pending for n in x[4:6]]) ** 2).sqrt()
+            for i, (p, state, group, u, _, _) in enumerate(pending):
+                self._warmup_finish(p, u, norms[2 * i], norms[2 * i + 1], state, group)
 
     def _freeze(self) -> None:
         """End of step ``freeze_step``: ``v_fresh = v``, momentum scaling ratios, masks.
@@ -305,6 +361,13 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 rms.append(torch.linalg.vector_norm(logical(m), dtype=torch.float64) / math.sqrt(m.numel()))
             else:
                 rms.append(torch.zeros((), dtype=torch.float64, device=m.device))
+        if params and self.link is not None and self.link.sharded:  # FSDP2 shards: RMS of the whole tensors
+            local = [self.state[p]["exp_avg"] for p in params]
+            sums = self.link.sum_over_shards(torch.stack(
+                [torch.linalg.vector_norm(logical(m), dtype=torch.float64) ** 2 for m in local]
+                + [torch.tensor(float(m.numel()), dtype=torch.float64, device=rms[0].device) for m in local]))
+            rms = [torch.where(n > 0, (s / n.clamp(min=1)).sqrt(), torch.zeros_like(s))
+                   for s, n in zip(sums[: len(local)], sums[len(local):])]
         if rms:
             total = rms[0]
             for r in rms[1:]:
@@ -320,11 +383,14 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         loss, t, plan = self.begin_step(closure)
         compress = plan is Plan.COMPRESS_MOMENTUM
         synced = self.check_synced(t) if compress else False
-        for p, grad, state, group in self.grads_in_order(self._init_state, skip_empty=True):
-            if compress:
-                self._compression_update(p, grad, state, group, synced)
-            else:
-                self._warmup_update(p, grad, state, group)
+        if self.link is not None and self.link.sharded:
+            self._sharded_step(compress, synced)
+        else:
+            for p, grad, state, group in self.grads_in_order(self._init_state, skip_empty=True):
+                if compress:
+                    self._compression_update(p, grad, state, group, synced)
+                else:
+                    self._warmup_update(p, grad, state, group)
         if not compress:
             self.observe_variance(t, t)  # an automatic freeze may choose this step
         if t == self.freeze_step:

@@ -26,22 +26,30 @@ def _norm(x: np.ndarray) -> float:
     return float(np.sqrt(np.sum(x.astype(np.float64) ** 2)))
 
 
+def _group_norm(xs: list) -> float:
+    """The norm of a tensor given as its pieces (one piece: :func:`_norm` itself)."""
+    return _norm(xs[0]) if len(xs) == 1 else float(np.sqrt(sum(_norm(x) ** 2 for x in xs)))
+
+
 class OneBitLambSimulation:
     """n ranks of 1-bit LAMB, one compressed buffer per segment (a list of parameter indices).
 
     ``binds`` counts how often each clip changed its input, so tests can check that a clip was
     really exercised. ``use_scaling=False`` drops the momentum scaling (a sensitivity check).
     ``scale_per_tensor``: one compression scale per tensor piece (the segment's tensor sizes, in
-    segment order) instead of one per chunk.
+    segment order) instead of one per chunk. ``groups``: lists of parameter indices that are
+    pieces of one tensor (FSDP2's shards): trust ratios, factors and momentum scalings are those
+    of the whole tensor (default: every parameter a tensor of its own).
     """
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  freeze_step=100000, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
                  factor_min=0.5, factor_threshold=0.1, auto_mask=True, use_scaling=True,
-                 scale_per_tensor=False, update_clip=None, nodes=None):
+                 scale_per_tensor=False, update_clip=None, nodes=None, groups=None):
         self.clip = update_clip  # hf_onebit's option: m/(max(sqrt(v), |m|/c) + eps) after the freeze
         self.p = [np.array(x, np.float32) for x in params]
         K = len(self.p)
+        self.groups = [list(g) for g in groups] if groups is not None else [[k] for k in range(K)]
         self.m = [np.zeros_like(x) for x in self.p]
         self.v = [np.zeros_like(x) for x in self.p]
         self.v_fresh = [np.zeros_like(x) for x in self.p]
@@ -69,13 +77,15 @@ class OneBitLambSimulation:
         K = len(self.p)
         if t <= self.F:
             self.ratios.append([])
+            u = [None] * K
             for k in range(K):
                 g = np.mean([grads[r][k] for r in range(self.n)], axis=0).astype(np.float32)
                 self.seen[k] |= g != 0
                 self.m[k] = (b1 * self.m[k] + (1 - b1) * g).astype(np.float32)
                 self.v[k] = (b2 * self.v[k] + (1 - b2) * g * g).astype(np.float32)
-                u = (self.m[k] / (np.sqrt(self.v[k]) + np.float32(eps)) + np.float32(wd) * self.p[k]).astype(np.float32)
-                wn, un = _norm(self.p[k]), _norm(u)
+                u[k] = (self.m[k] / (np.sqrt(self.v[k]) + np.float32(eps)) + np.float32(wd) * self.p[k]).astype(np.float32)
+            for group in self.groups:
+                wn, un = _group_norm([self.p[k] for k in group]), _group_norm([u[k] for k in group])
                 c = 1.0
                 if wn > 0 and un > 0:
                     ratio = wn / un
@@ -83,17 +93,22 @@ class OneBitLambSimulation:
                     c = min(max(ratio, self.min_coeff), self.max_coeff)
                     if c != ratio:
                         self.binds["coeff_max" if ratio > self.max_coeff else "coeff_min"] += 1
-                if c != 1:
-                    self.c_frozen[k] = self.coeff_beta * self.c_frozen[k] + (1 - self.coeff_beta) * c
-                self.p[k] = (self.p[k] - np.float32(self.lr * c) * u).astype(np.float32)
-                if t == self.F:
-                    self.v_fresh[k] = self.v[k].copy()
+                for k in group:
+                    if c != 1:
+                        self.c_frozen[k] = self.coeff_beta * self.c_frozen[k] + (1 - self.coeff_beta) * c
+                    self.p[k] = (self.p[k] - np.float32(self.lr * c) * u[k]).astype(np.float32)
+                    if t == self.F:
+                        self.v_fresh[k] = self.v[k].copy()
             return [x.copy() for x in self.p]
 
         if self.scaling is None:  # first compressed step: from the momentum before its update
-            r = [_norm(m) / np.sqrt(m.size) for m in self.m]
-            mean = sum(r) / K
-            self.scaling = [np.float32(mean / x) if (x > 0 and self.use_scaling) else np.float32(1) for x in r]
+            r = {}
+            for group in self.groups:
+                size = sum(self.m[k].size for k in group)
+                rms = _group_norm([self.m[k] for k in group]) / np.sqrt(size) if size else 0.0
+                r.update({k: rms for k in group})
+            mean = sum(r[g[0]] for g in self.groups) / len(self.groups)
+            self.scaling = [np.float32(mean / r[k]) if (r[k] > 0 and self.use_scaling) else np.float32(1) for k in range(K)]
             if self.auto_mask and self.F > 0:
                 # auto_mask: never non-zero, or sqrt(v) below eps/100 (no bias correction in LAMB)
                 self.mask = [keep_mask(s, v, self.eps).astype(np.float32) for s, v in zip(self.seen, self.v)]
@@ -110,7 +125,7 @@ class OneBitLambSimulation:
                 if self.mask is not None:
                     self.m[k] = self.m[k] * self.mask[k]
                 off += size
-        factors = []
+        u, prelims, fmax = [None] * K, [None] * K, [None] * K
         for k in range(K):
             g_rec = ((self.m[k] - b1 * m_prev[k]) / (1 - b1)).astype(np.float32)
             self.v_fresh[k] = (b2 * self.v_fresh[k] + (1 - b2) * g_rec * g_rec).astype(np.float32)
@@ -122,22 +137,28 @@ class OneBitLambSimulation:
                 self.binds["update_clip"] += int(np.sum(clipped_prelim != prelim))
                 prelim = clipped_prelim
                 assert np.abs(prelim).max(initial=0) <= self.clip * (1 + 1e-6)
-            u = (prelim + np.float32(wd) * self.p[k]).astype(np.float32)
-            f = float(np.max(denom / (np.sqrt(self.v_fresh[k]) + np.float32(eps))))
+            prelims[k] = prelim
+            u[k] = (prelim + np.float32(wd) * self.p[k]).astype(np.float32)
+            fmax[k] = float(np.max(denom / (np.sqrt(self.v_fresh[k]) + np.float32(eps)), initial=0.0))
+        factors = []
+        for group in self.groups:
+            f = max(fmax[k] for k in group)
             if wd > 0:
-                un = _norm(u)
-                rho = min(1.0, _norm(prelim) / un) if un > 0 else 1.0
+                un = _group_norm([u[k] for k in group])
+                rho = min(1.0, _group_norm([prelims[k] for k in group]) / un) if un > 0 else 1.0
                 f = rho * f + (1 - rho)
             clipped = min(max(f, self.factor_min), self.factor_max)
             if clipped != f:
                 self.binds["factor_max" if f > self.factor_max else "factor_min"] += 1
-            lo, hi = self.f_last[k] * (1 - self.thr), self.f_last[k] * (1 + self.thr)
+            last = self.f_last[group[0]]
+            lo, hi = last * (1 - self.thr), last * (1 + self.thr)
             f = min(max(clipped, lo), hi)
             if f != clipped:
                 self.binds["threshold_up" if clipped > hi else "threshold_down"] += 1
-            self.f_last[k] = f
             factors.append(f)
-            self.p[k] = (self.p[k] - np.float32(self.lr * self.c_frozen[k] * f) * u).astype(np.float32)
+            for k in group:
+                self.f_last[k] = f
+                self.p[k] = (self.p[k] - np.float32(self.lr * self.c_frozen[k] * f) * u[k]).astype(np.float32)
         self.factors.append(factors)
         return [x.copy() for x in self.p]
 
