@@ -44,7 +44,6 @@ optimizer state); with ``S = 1`` every rank's state is whole and saves as on the
 from __future__ import annotations
 
 import functools
-import os
 import pickle
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -139,7 +138,7 @@ def _fsdp_states(model) -> list:
     return out
 
 
-def _layout(name: str, group, shard_size: int) -> _ShardLayout:
+def _layout(name: str, group) -> _ShardLayout:
     trained, offsets, locals_, offset = [], [], [], 0
     if group.gradient_divide_factor is not None or group.force_sum_reduction_for_comms:
         raise UnsupportedSetup(f"hf_onebit.attach: FSDP module {name!r} sets a gradient divide factor or sum"
@@ -256,15 +255,17 @@ def _replica_groups(shard_ranks: list, world: int):
     return [[r[j] for r in replicas] for j in range(size)], size
 
 
-def _check_state_fits(optimizer: OneBitOptimizer) -> None:
+def _check_state_fits(optimizer: OneBitOptimizer, local_of: dict) -> None:
     """Refuse optimizer state cut for other shards (a checkpoint of another mesh or world size):
-    stepping on it would fail in the middle of a step, or broadcast silently."""
+    stepping on it would fail in the middle of a step, or broadcast silently. Checked before the
+    optimizer is changed, so a refusal leaves it as it was."""
     for i, p in enumerate(optimizer.params_in_order()):
+        shard = local_of.get(id(p), p)
         for key, value in optimizer.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != p.shape:
+            if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != shard.shape:
                 raise ValueError(
                     f"hf_onebit.attach: optimizer state {key!r} of parameter {i} has shape {tuple(value.shape)}, this"
-                    f" rank's shard {tuple(p.shape)}: the state was saved with another mesh or world size. Resume"
+                    f" rank's shard {tuple(shard.shape)}: the state was saved with another mesh or world size. Resume"
                     " with the layout it was saved with, or start the optimizer afresh.")
 
 
@@ -292,30 +293,32 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
     mine = pickle.dumps(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
     device = optimizer.params_in_order()[0].device
     everyone = [pickle.loads(b) for b in all_gather_bytes(mine, device, None)]
+    # Every rank built the same optimizer (checked on the whole parameters' shapes), before any
+    # refusal that depends on it: a rank refusing alone would leave the others in a collective.
+    _check_same_on_every_rank(optimizer, None)
     replica_of, shard_size = _replica_groups(everyone, world)
     if shard_size == world:
         raise UnsupportedSetup(
             f"hf_onebit.attach: the model is sharded over all {world} ranks, so there is no replica to exchange with"
             " and nothing to compress (FSDP's own reduce-scatter carries all the traffic)." + _LAYOUT)
-    if shard_size > 1:
-        if optimizer.hierarchical:
-            raise UnsupportedSetup("hf_onebit.attach: hierarchical=True with FSDP2: the replica's mesh already"
-                                   " keeps full precision inside a node; leave hierarchical off.")
-    # Every rank built the same optimizer: checked on the whole parameters' shapes, before the swap.
-    _check_same_on_every_rank(optimizer, None)
-    layouts = [_layout(name, group, shard_size) for name, _, group in modules]
+    if shard_size > 1 and optimizer.hierarchical:
+        raise UnsupportedSetup("hf_onebit.attach: hierarchical=True with FSDP2: the replica's mesh already"
+                               " keeps full precision inside a node; leave hierarchical off.")
+    layouts = [_layout(name, group) for name, _, group in modules]
     # Frozen parameters too: the optimizer may hold them (they get no gradient, as on the DDP path).
     every = [fp.sharded_param for _, _, group in modules for fp in group.fsdp_params]
     local_of = {id(p): p._local_tensor for p in every}
     param_of = {id(p._local_tensor): p for p in every}
+    _check_state_fits(optimizer, local_of)
     optimizer.replace_params(local_of)
-    _check_state_fits(optimizer)
     if shard_size == 1:
         cross, shard_group = None, None  # every rank is a replica: the world, as on the DDP path
     else:
         # Collective: every rank creates every subgroup, in the same order.
         cross, _ = dist.new_subgroups_by_enumeration(replica_of)
         shard_group = mesh.get_group()
+        # The exchange between replicas is flat: "auto" must not find a node layout in a group
+        # that holds one rank per node.
         optimizer.hierarchical = False
     previous = optimizer.link
     for handle in getattr(previous, "handles", []):
@@ -328,7 +331,7 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
     _create_node_groups(optimizer)  # shard_size 1 with hierarchical: the exchange by node, as with DDP
     for layout, (_, module, _) in zip(layouts, modules):
         module.set_all_reduce_hook(functools.partial(_exchange_shards, state, layout))
-    if optimizer.rank == 0 and int(os.environ.get("RANK", "0")) == 0:
+    if dist.get_rank() == 0:
         from hf_onebit.optim.base import logger
 
         logger.warning("hf_onebit %s on FSDP2: %d replicas of %d rank(s); %s between replicas",

@@ -309,6 +309,36 @@ def test_each_fsdp_module_is_its_own_buffer_and_matches_the_simulation():
                                            err_msg=f"step {step}, rank {r}, parameter {k}")
 
 
+def _non_finite_on_one_shard(rank, world_size):
+    import hf_onebit
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    fully_shard(model, mesh=hf_onebit.replica_mesh(2, "cpu")["shard"])
+    opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM)
+    hf_onebit.attach(model, opt)
+    for step in range(1, 4):
+        coeffs = fixed_grads(step, rank)
+        if step == 3 and rank == 0:
+            coeffs[0][0, 0] = float("inf")  # row 0: shard 0, held by ranks 0 and 2 only
+        model(coeffs).backward()
+        try:
+            opt.step()
+        except FloatingPointError as exc:
+            return step, str(exc)
+        opt.zero_grad()
+    return None
+
+
+def test_a_non_finite_gradient_in_one_shard_stops_every_rank():
+    """Ranks 1 and 3 hold only finite shards, yet stop with ranks 0 and 2 (no rank is left
+    waiting in the next collective)."""
+    outs = run_distributed(_non_finite_on_one_shard, 4)
+    assert all(o is not None and o[0] == 3 for o in outs), outs
+    assert "parameter(s) [0]" in outs[0][1] and "on another rank's shard" in outs[1][1], outs
+
+
 # --------------------------------------------------------------------------- resume
 def _resumed(rank, world_size, save_dir, name, steps, save_at):
     kwargs, _, tiny, _, _ = SIMULATIONS[name]
