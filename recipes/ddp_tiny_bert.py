@@ -1,6 +1,7 @@
 """Plain-DDP example: a small BERT trained with 1-bit Adam on 2 CPU processes (gloo).
 
     torchrun --nproc-per-node 2 recipes/ddp_tiny_bert.py [--optim onebit_adam] [--steps 200]
+    torchrun --nproc-per-node 4 recipes/ddp_tiny_bert.py --fsdp2-shard-size 2    # FSDP2, 2 replicas of 2
 
 The model is built from a config (no hub access) and the task is synthetic but learnable:
 label 1 when token 5 occurs more often than token 6 in the sequence. At the end rank 0
@@ -10,6 +11,15 @@ sent, and their ratio. This is the smallest complete use of hf_onebit's public A
     opt = hf_onebit.OneBitAdam(model.parameters(), lr=..., freeze_step=...)
     ddp = DistributedDataParallel(model)
     hf_onebit.attach(ddp, opt)
+
+With ``--fsdp2-shard-size S`` the model is sharded by FSDP2 over replicas of ``S`` ranks (each
+encoder layer, then the whole model) and hf_onebit exchanges the shards between the replicas
+(docs/api.md, "With FSDP2")::
+
+    mesh = hf_onebit.replica_mesh(S)
+    fully_shard(layer, mesh=mesh["shard"]) for each layer; fully_shard(model, mesh=mesh["shard"])
+    opt = hf_onebit.OneBitAdam(model.parameters(), ...)    # after fully_shard
+    hf_onebit.attach(model, opt)
 """
 
 from __future__ import annotations
@@ -65,6 +75,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=16, help="per rank")
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--fsdp2-shard-size", type=int, default=None,
+                        help="FSDP2 instead of DDP: shard over replicas of this many ranks (1: whole model per rank)")
     args = parser.parse_args()
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -81,8 +93,17 @@ def main() -> None:
     config = BertConfig(vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=256, max_position_embeddings=64, num_labels=2)
     model = BertForSequenceClassification(config)
-    opt = build_optimizer(args.optim, model.parameters(), args.steps)
-    ddp = DDP(model)
+    if args.fsdp2_shard_size is None:
+        opt = build_optimizer(args.optim, model.parameters(), args.steps)
+        ddp = DDP(model)
+    else:  # FSDP2 replaces the parameters: shard first, then build the optimizer
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = hf_onebit.replica_mesh(args.fsdp2_shard_size, "cpu")["shard"]
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+        opt = build_optimizer(args.optim, model.parameters(), args.steps)
     if isinstance(opt, hf_onebit.OneBitOptimizer):
         hf_onebit.attach(ddp, opt)
 
@@ -112,7 +133,8 @@ def main() -> None:
             correct += int((pred == labels).sum())
             total += labels.numel()
     if rank == 0:
-        print(f"\n== report ({args.optim}, {world} ranks, {args.steps} steps, {elapsed:.1f} s) ==")
+        layout = "DDP" if args.fsdp2_shard_size is None else f"FSDP2, replicas of {args.fsdp2_shard_size}"
+        print(f"\n== report ({args.optim}, {world} ranks, {layout}, {args.steps} steps, {elapsed:.1f} s) ==")
         print(f"eval accuracy           {correct / total:.3f}")
         print(f"final training loss     {loss.item():.4f}")
         if isinstance(opt, hf_onebit.OneBitOptimizer):
