@@ -169,13 +169,21 @@ def _with_a_frozen_parameter(rank, world_size, steps):
     import hf_onebit
     from torch.distributed.fsdp import fully_shard
 
-    from tests.optim.harness import _whole
-
     torch.manual_seed(0)
     model = FixedGradModel()
     model.ps[2].requires_grad_(False)  # FSDP leaves it out of the reduce-scatter
     fully_shard(model, mesh=hf_onebit.replica_mesh(2, "cpu")["shard"])
-    opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM)  # it holds the frozen one too
+    return _train_sharded(model, rank, steps)[0]  # the optimizer holds the frozen one too
+
+
+def _train_sharded(model, rank, steps):
+    """1-bit Adam on an FSDP2 model with ``fixed_grads``: the whole parameters after every step,
+    and the optimizer."""
+    import hf_onebit
+
+    from tests.optim.harness import _whole
+
+    opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM)
     hf_onebit.attach(model, opt)
     history = []
     for step in range(1, steps + 1):
@@ -183,7 +191,7 @@ def _with_a_frozen_parameter(rank, world_size, steps):
         opt.step()
         opt.zero_grad()
         history.append([_whole(p) for p in model.parameters()])
-    return history
+    return history, opt
 
 
 def test_frozen_parameters_stay_and_the_others_match_the_simulation():
@@ -277,20 +285,11 @@ def _per_module(rank, world_size, steps):
     import hf_onebit
     from torch.distributed.fsdp import fully_shard
 
-    from tests.optim.harness import _whole
-
     model = _TwoModules()
     mesh = hf_onebit.replica_mesh(2, "cpu")["shard"]
     for module in (model.first, model.second, model):
         fully_shard(module, mesh=mesh)
-    opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM)
-    hf_onebit.attach(model, opt)
-    history = []
-    for step in range(1, steps + 1):
-        model(fixed_grads(step, rank, tiny=True)).backward()
-        opt.step()
-        opt.zero_grad()
-        history.append([_whole(p) for p in model.parameters()])
+    history, opt = _train_sharded(model, rank, steps)
     return history, sorted(opt.segments.keys())
 
 
