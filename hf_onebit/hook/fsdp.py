@@ -175,7 +175,7 @@ class FSDPHookState(OneBitHookState):
         super().__init__(optimizer, process_group, grad_scaler)
         self.shard_group = shard_group
         self.owners: list = []  # (local shard, its DTensor parameter), in the optimizer's order
-        self.handles: list = []  # the optimizer's step hooks, removed if attach runs again
+        self.handles: list = []  # the optimizer's step hooks (lend and take back the gradients)
 
     def lend_grads(self, *_unused) -> None:
         """Before ``step()``: each local shard's ``.grad`` is its DTensor's (what FSDP wrote after the
@@ -285,6 +285,9 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
     if mesh.ndim != 1:
         raise UnsupportedSetup(f"hf_onebit.attach: FSDP's native HSDP (a {mesh.ndim}-D mesh) all-reduces between"
                                " replicas in full precision, which hf_onebit cannot replace." + _LAYOUT)
+    if isinstance(optimizer.link, FSDPHookState):
+        raise ValueError("hf_onebit.attach: this optimizer is already attached to an FSDP2 model (it steps on the"
+                         " local shards now); with FSDP2 attach once, to a new optimizer built after fully_shard.")
     if any(not hasattr(p, "to_local") for p in optimizer.params_in_order()):
         raise ValueError("hf_onebit.attach: the optimizer holds plain tensors, not the model's FSDP2 (DTensor)"
                          " parameters: fully_shard replaces the parameters, so build the optimizer after it.")
@@ -320,9 +323,6 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
         # The exchange between replicas is flat: "auto" must not find a node layout in a group
         # that holds one rank per node.
         optimizer.hierarchical = False
-    previous = optimizer.link
-    for handle in getattr(previous, "handles", []):
-        handle.remove()
     state = FSDPHookState(optimizer, cross, shard_group)
     state.owners = [(p, param_of[id(p)]) for p in optimizer.params_in_order() if id(p) in param_of]
     state.handles = [optimizer.register_step_pre_hook(state.lend_grads),

@@ -412,6 +412,11 @@ def _refusal(rank, world_size, case):
             fully_shard(model, mesh=hf_onebit.replica_mesh(2, "cpu")["shard"])
             hf_onebit.attach(model, hf_onebit.OneBitAdam(model.parameters(), freeze_step=2))
             model(torch.ones(3, 4)).backward()
+        elif case == "twice":
+            fully_shard(model, mesh=hf_onebit.replica_mesh(2, "cpu")["shard"])
+            opt = hf_onebit.OneBitAdam(model.parameters(), freeze_step=2)
+            hf_onebit.attach(model, opt)
+            hf_onebit.attach(model, opt)
         elif case == "optimizer_first":
             opt = hf_onebit.OneBitAdam(model.parameters(), freeze_step=2)
             fully_shard(model, mesh=hf_onebit.replica_mesh(1, "cpu")["shard"])
@@ -435,6 +440,7 @@ REFUSALS = {
     "whole_world": "sharded over all 4 ranks",
     "scaler": "loss scaler with FSDP2",
     "unused": "some of its parameters got no gradient",
+    "twice": "already attached to an FSDP2 model",
 }
 
 
