@@ -8,8 +8,9 @@ reduce-scatter, rank ``j`` of every replica holds the replica's mean gradient of
 ``j``; hf_onebit then exchanges that shard between the ``R`` replicas (the ranks ``j, S+j,
 2S+j, ...``) by the optimizer's plan: 1 bit with error feedback in the compression phases, full
 precision in the warmup, nothing on 0/1 Adam's local steps, BinSGDM's vote. With ``S = 1``
-every rank holds the whole model and the exchange is DDP's, bit for bit (DDP's layout, on
-FSDP2); with ``S > 1`` it is hybrid sharding (HSDP) with a 1-bit exchange between nodes::
+every rank holds the whole model and the exchange is DDP's (DDP's layout on FSDP2, with one
+buffer per FSDP module in place of DDP's buckets); with ``S > 1`` it is hybrid sharding (HSDP)
+with a 1-bit exchange between nodes::
 
     replica 0 (node 0)            replica 1 (node 1)
     rank 0: shard 0  <-- 1 bit -->  rank 2: shard 0
