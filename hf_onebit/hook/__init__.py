@@ -37,7 +37,8 @@ group (:mod:`hf_onebit.comm.executor`), so several buckets in flight are issued 
 order on every rank.
 
 Modules: :mod:`~hf_onebit.hook.state` (the state and the hook function),
-:mod:`~hf_onebit.hook.buckets` (a bucket per parameter), :mod:`~hf_onebit.hook.attach`,
+:mod:`~hf_onebit.hook.buckets` (a bucket per parameter), :mod:`~hf_onebit.hook.attach` (with
+:mod:`~hf_onebit.hook.attach_checks`, what it checks first),
 :mod:`~hf_onebit.hook.fsdp` (the same protocol on FSDP2's shards, exchanged between replicas).
 """
 

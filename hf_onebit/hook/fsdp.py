@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from hf_onebit.comm.compat import all_gather_bytes
+from hf_onebit.hook.attach_checks import check_params_match, check_same_on_every_rank, create_node_groups, run_self_test
 from hf_onebit.hook.state import OneBitHookState
 from hf_onebit.optim import OneBitOptimizer
 from hf_onebit.refusals import UnsupportedSetup
@@ -272,8 +273,6 @@ def _check_state_fits(optimizer: OneBitOptimizer, local_of: dict) -> None:
 
 def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> Optional[FSDPHookState]:
     """``hf_onebit.attach`` for a model sharded with FSDP2 (see the module docstring)."""
-    from hf_onebit.hook.attach import _check_params_match, _check_same_on_every_rank, _create_node_groups, _self_test
-
     if grad_scaler is not None:
         raise UnsupportedSetup("hf_onebit.attach: a loss scaler with FSDP2 is not supported yet; train in bf16 or fp32.")
     modules = _fsdp_states(model)
@@ -292,14 +291,14 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
     if any(not hasattr(p, "to_local") for p in optimizer.params_in_order()):
         raise ValueError("hf_onebit.attach: the optimizer holds plain tensors, not the model's FSDP2 (DTensor)"
                          " parameters: fully_shard replaces the parameters, so build the optimizer after it.")
-    _check_params_match(model, optimizer)
+    check_params_match(model, optimizer)
     world = dist.get_world_size()
     mine = pickle.dumps(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
     device = optimizer.params_in_order()[0].device
     everyone = [pickle.loads(b) for b in all_gather_bytes(mine, device, None)]
     # Every rank built the same optimizer (checked on the whole parameters' shapes), before any
     # refusal that depends on it: a rank refusing alone would leave the others in a collective.
-    _check_same_on_every_rank(optimizer, None)
+    check_same_on_every_rank(optimizer, None)
     replica_of, shard_size = _replica_groups(everyone, world)
     if shard_size == world:
         raise UnsupportedSetup(
@@ -328,8 +327,8 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
     state.owners = [(p, param_of[id(p)]) for p in optimizer.params_in_order() if id(p) in param_of]
     state.handles = [optimizer.register_step_pre_hook(state.lend_grads),
                      optimizer.register_step_post_hook(state.take_back_grads)]
-    _self_test(optimizer)
-    _create_node_groups(optimizer)  # shard_size 1 with hierarchical: the exchange by node, as with DDP
+    run_self_test(optimizer)
+    create_node_groups(optimizer)  # shard_size 1 with hierarchical: the exchange by node, as with DDP
     for layout, (_, module, _) in zip(layouts, modules):
         module.set_all_reduce_hook(functools.partial(_exchange_shards, state, layout))
     if dist.get_rank() == 0:
