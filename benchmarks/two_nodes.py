@@ -125,8 +125,8 @@ def print_rate(entry: dict) -> None:
           f" after {entry['load_after']}) ===")
     for line in markdown_table(entry["rate"], summary, link):
         print(line)
-    print("samples/s: compression-phase window, all ranks (vs AdamW: HSDP rows against HSDP + AdamW); B/step per rank: what each rank sends (its counters,"
-          " intra- and inter-node); inter-node B/step: both directions, all ranks, counted (inter_node_stats"
+    print("samples/s: compression-phase window, all ranks (vs AdamW: HSDP rows against HSDP + AdamW);"
+          " B/step per rank: what each rank sends (its counters, intra- and inter-node); inter-node B/step: both directions, all ranks, counted (inter_node_stats"
           " for the exchange by node, gloo's algorithm shares for the flat collectives, DDP's buffer broadcast)"
           " and measured on the veth (tx of both ends: TCP/IP headers and ACKs included); intra-node: the counted"
           " bytes that stay inside a node, and both namespaces' loopback tx")

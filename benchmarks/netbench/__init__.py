@@ -27,5 +27,3 @@ LABELS = {
 NODE_METHODS = ["onebit_adam_nodes", "zeroone_adam_nodes", "onebit_lamb_nodes"]
 #: FSDP2 hybrid sharding: shard inside a node, exchange between nodes (benchmarks/two_nodes.py).
 HSDP_METHODS = ["hsdp_adamw", "hsdp_onebit_adam", "hsdp_zeroone_adam"]
-HF_ONEBIT = {"onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm", *NODE_METHODS, "hsdp_onebit_adam",
-             "hsdp_zeroone_adam"}

@@ -150,13 +150,14 @@ def build_hsdp(method: str, model, args):
     import hf_onebit
 
     mesh = hf_onebit.replica_mesh(int(os.environ["LOCAL_WORLD_SIZE"]), "cpu")
-    if method == "adamw":
-        fully_shard(model, mesh=mesh)  # ("replicate", "shard"): native HSDP
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
-        return opt, model, HSDPCount(model, opt)
-    fully_shard(model, mesh=mesh["shard"])
-    opt = onebit_optimizer(method, [p for p in model.parameters() if p.requires_grad], args, args.freeze)
-    hf_onebit.attach(model, opt)
+    native = method == "adamw"
+    fully_shard(model, mesh=mesh if native else mesh["shard"])  # the 2-D mesh: FSDP2's native HSDP
+    params = [p for p in model.parameters() if p.requires_grad]  # after fully_shard, which replaces them
+    if native:
+        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    else:
+        opt = onebit_optimizer(method, params, args, args.freeze)
+        hf_onebit.attach(model, opt)
     return opt, model, HSDPCount(model, opt)
 
 
@@ -187,7 +188,7 @@ class HSDPCount:
         else:
             opt.inter_node_stats = CommStats()
             self.record = CommRecord(bytes_sent=allreduce_bytes(trained // local, nodes), rounds=1)
-        self.opt, self.steps, self.rounds = opt, 0, 0
+        self.opt, self.steps = opt, 0
 
     def __enter__(self):
         return self

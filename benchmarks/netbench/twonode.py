@@ -209,6 +209,11 @@ def node_probe(veth: str):
 
 
 # ====================================================================== analysis
+def broadcast_crossing(method: str, buffer_bytes: int) -> int:
+    """Bytes of DDP's buffer broadcast that cross between the nodes per step (none under FSDP2)."""
+    return 0 if method.startswith("hsdp_") else BROADCAST_CROSSINGS * buffer_bytes
+
+
 def inter_node_counted(method: str, recs: list, buffer_bytes: int = 0) -> list[float]:
     """Counted bytes that crossed between the nodes at each step (all ranks, both directions).
 
@@ -219,8 +224,8 @@ def inter_node_counted(method: str, recs: list, buffer_bytes: int = 0) -> list[f
     counts its crossing bytes itself, also on steps with none (0/1 Adam's local steps).
     """
     steps = len(recs[0])
-    hsdp = method.startswith("hsdp_")  # FSDP2: no buffer broadcast; what crosses is counted as such
-    out = [0.0 if hsdp else float(BROADCAST_CROSSINGS * buffer_bytes)] * steps
+    hsdp = method.startswith("hsdp_")  # FSDP2: what crosses is counted as such
+    out = [float(broadcast_crossing(method, buffer_bytes))] * steps
     for r in recs:
         prev = {"bytes": 0, "inter": 0, "fp32": 0}
         for s, rec in enumerate(r):
@@ -244,7 +249,7 @@ def link_summary(raw: dict, summary: dict, local_size: int = 2) -> dict:
     for method, res in raw["methods"].items():
         recs = res["records"]
         counted = inter_node_counted(method, recs, raw.get("buffer_bytes", 0))
-        broadcast = 0 if method.startswith("hsdp_") else BROADCAST_CROSSINGS * raw.get("buffer_bytes", 0)
+        broadcast = broadcast_crossing(method, raw.get("buffer_bytes", 0))
         sent = [sum(r[s]["bytes"] - (r[s - 1]["bytes"] if s else 0) for r in recs) for s in range(n)]
         heads = recs[::local_size]  # local rank 0 of each node reads its namespace's devices
 
