@@ -352,22 +352,19 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         rounding to fp32 at the end, as the same arithmetic on Python floats would round.
         """
         params = [p for p in self.params_in_order() if "exp_avg" in self.state.get(p, {})]
-        rms = []
         for p in params:
-            state = self.state[p]
-            state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])
-            m = state["exp_avg"]
-            if m.numel():
-                rms.append(torch.linalg.vector_norm(logical(m), dtype=torch.float64) / math.sqrt(m.numel()))
-            else:
-                rms.append(torch.zeros((), dtype=torch.float64, device=m.device))
+            self.state[p]["exp_avg_sq_fresh"].copy_(self.state[p]["exp_avg_sq"])
+        moments = [self.state[p]["exp_avg"] for p in params]
         if params and self.link is not None and self.link.sharded:  # FSDP2 shards: RMS of the whole tensors
-            local = [self.state[p]["exp_avg"] for p in params]
+            device = moments[0].device
             sums = self.link.sum_over_shards(torch.stack(
-                [torch.linalg.vector_norm(logical(m), dtype=torch.float64) ** 2 for m in local]
-                + [torch.tensor(float(m.numel()), dtype=torch.float64, device=rms[0].device) for m in local]))
+                [torch.linalg.vector_norm(logical(m), dtype=torch.float64) ** 2 for m in moments]
+                + [torch.tensor(float(m.numel()), dtype=torch.float64, device=device) for m in moments]))
             rms = [torch.where(n > 0, (s / n.clamp(min=1)).sqrt(), torch.zeros_like(s))
-                   for s, n in zip(sums[: len(local)], sums[len(local):])]
+                   for s, n in zip(sums[: len(moments)], sums[len(moments):])]
+        else:
+            rms = [torch.linalg.vector_norm(logical(m), dtype=torch.float64) / math.sqrt(m.numel()) if m.numel()
+                   else torch.zeros((), dtype=torch.float64, device=m.device) for m in moments]
         if rms:
             total = rms[0]
             for r in rms[1:]:
