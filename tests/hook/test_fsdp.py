@@ -181,7 +181,7 @@ def _train_sharded(model, rank, steps):
     and the optimizer."""
     import hf_onebit
 
-    from tests.optim.harness import _whole
+    from tests.optim.harness import whole
 
     opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM)
     hf_onebit.attach(model, opt)
@@ -190,7 +190,7 @@ def _train_sharded(model, rank, steps):
         model(fixed_grads(step, rank, tiny=True)).backward()
         opt.step()
         opt.zero_grad()
-        history.append([_whole(p) for p in model.parameters()])
+        history.append([whole(p) for p in model.parameters()])
     return history, opt
 
 

@@ -51,7 +51,7 @@ def fixed_grads(step: int, rank: int, tiny: bool = False, late: bool = False) ->
     return out
 
 
-def _whole(p: torch.Tensor) -> torch.Tensor:
+def whole(p: torch.Tensor) -> torch.Tensor:
     """A copy of the whole parameter (gathered from its shards under FSDP2)."""
     p = p.detach()
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()
@@ -114,7 +114,7 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        history.append([_whole(p) for p in model.parameters()])
+        history.append([whole(p) for p in model.parameters()])
         if record_steps:
             per_step.append({"plan": plan, **opt.last_step_comm.as_dict()})
         if save_dir is not None and step == save_at:
