@@ -8,7 +8,9 @@ With FSDP2, shard inside a replica and exchange between replicas (``hf_onebit.ho
 
     mesh = hf_onebit.replica_mesh(shard_size=1)   # or the ranks of a node
     fully_shard(model, mesh=mesh["shard"])
-    hf_onebit.attach(model, hf_onebit.OneBitAdam(model.parameters(), lr=1e-4, freeze_step=400))
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-4, freeze_step=400)
+    hf_onebit.attach(model, opt)
+    hf_onebit.save_sharded(opt, "ckpt/optimizer")   # a distributed checkpoint (hf_onebit.sharded_checkpoint)
 
 With the Hugging Face Trainer: ``hf_onebit.OneBitTrainer`` and ``hf_onebit.OneBitTrainingArguments``
 (``--optim onebit_adam``); they are imported on first use, so ``import hf_onebit`` does not
@@ -18,6 +20,7 @@ import transformers. See ``docs/integrations.md``.
 from hf_onebit.checkpoint import load_rank_state, save_rank_state
 from hf_onebit.hook import OneBitHookState, attach, onebit_hook, replica_mesh
 from hf_onebit.optim import BinSGDM, OneBitAdam, OneBitLamb, OneBitOptimizer, Plan, ZeroOneAdam
+from hf_onebit.sharded_checkpoint import load_sharded, save_sharded
 
 __version__ = "0.1.0.dev0"
 
@@ -51,7 +54,9 @@ __all__ = [
     "ZeroOneAdam",
     "attach",
     "load_rank_state",
+    "load_sharded",
     "onebit_hook",
     "replica_mesh",
     "save_rank_state",
+    "save_sharded",
 ]

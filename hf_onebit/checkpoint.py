@@ -6,7 +6,9 @@ parameters and accumulators, BinSGDM's local moments) is saved by *every* rank n
 checkpoint::
 
     <dir>/hf_onebit_rank{r}_of{n}.pt     the tensors (read with torch.load(weights_only=True))
-    <dir>/hf_onebit_rank{r}_of{n}.json   what it is: format, optimizer, rank, world size, step, sha256
+    <dir>/hf_onebit_rank{r}_of{n}.json   what it is: format, optimizer, rank, world size, layout, step, sha256
+
+``r`` and ``n`` are the process's global rank and the world size (see :func:`file_rank`).
 
 Loading checks the JSON against this run and the SHA-256 of the ``.pt`` file before touching it,
 so a corrupt, modified or foreign file is refused with an error that names it; nothing in it is
@@ -31,6 +33,7 @@ import os
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from hf_onebit.optim import rank_state
 from hf_onebit.optim.base import OneBitOptimizer, logger
@@ -44,13 +47,41 @@ def rank_state_paths(directory: str, rank: int, world_size: int) -> tuple[str, s
     return stem + ".pt", stem + ".json"
 
 
-def save_rank_state(optimizer: OneBitOptimizer, directory: str) -> str:
-    """Write this rank's state into ``directory`` (every rank calls this); returns the path."""
+def file_rank(optimizer: OneBitOptimizer) -> tuple[int, int]:
+    """``(rank, world size)`` that name this process's file: the global ones.
+
+    Not the optimizer's own: under FSDP2 hybrid sharding its group holds one rank per replica,
+    so ``optimizer.rank`` repeats across the ranks of a replica, which hold different shards
+    (and would write one file over another's).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return optimizer.rank, optimizer.world_size
+
+
+def shard_size(optimizer: OneBitOptimizer) -> int:
+    """Ranks per replica whose shards the error buffers belong to (1: whole tensors, DDP)."""
+    return getattr(optimizer.link, "shard_size", 1)
+
+
+#: The key of a per-rank file's payload under which a caller's own entries travel (``extra``).
+EXTRA = "extra"
+
+
+def save_rank_state(optimizer: OneBitOptimizer, directory: str, extra: dict | None = None) -> str:
+    """Write this rank's state into ``directory`` (every rank calls this); returns the path.
+
+    ``extra``: more of this rank's values (tensors, numbers, containers) stored in the same
+    verified file, read back by :func:`read_rank_state` (:mod:`hf_onebit.sharded_checkpoint`).
+    """
     os.makedirs(directory, exist_ok=True)
-    rank, world = optimizer.rank, optimizer.world_size
+    rank, world = file_rank(optimizer)
     pt_path, json_path = rank_state_paths(directory, rank, world)
+    payload = optimizer.rank_state_dict()
+    if extra is not None:
+        payload = {**payload, EXTRA: extra}
     buf = io.BytesIO()
-    torch.save(optimizer.rank_state_dict(), buf)
+    torch.save(payload, buf)
     data = buf.getvalue()
     meta = {
         "format": FORMAT_VERSION,
@@ -58,6 +89,7 @@ def save_rank_state(optimizer: OneBitOptimizer, directory: str) -> str:
         "rank": rank,
         "world_size": world,
         "nodes": rank_state.node_layout(optimizer),
+        "shard_size": shard_size(optimizer),
         "steps_done": optimizer.steps_done,
         "sha256": hashlib.sha256(data).hexdigest(),
         "bytes": len(data),
@@ -80,15 +112,18 @@ def _verified_state(optimizer: OneBitOptimizer, pt_path: str, json_path: str) ->
             meta = json.load(f)
     except (OSError, ValueError) as exc:
         raise RankStateError(f"cannot read {json_path}: {exc}") from exc
+    rank, world = file_rank(optimizer)
     expected = {
         "format": FORMAT_VERSION,
         "optimizer": type(optimizer).__name__,
-        "rank": optimizer.rank,
-        "world_size": optimizer.world_size,
+        "rank": rank,
+        "world_size": world,
         "nodes": rank_state.node_layout(optimizer),  # absent (flat) in files from before the exchange by node
+        "shard_size": shard_size(optimizer),  # absent (whole tensors) in files from before FSDP2
     }
+    defaults = {"shard_size": 1}
     for key, want in expected.items():
-        if meta.get(key) != want:
+        if meta.get(key, defaults.get(key)) != want:
             raise RankStateError(f"{json_path} is for {key}={meta.get(key)!r}, this run has {key}={want!r}")
     with open(pt_path, "rb") as f:
         data = f.read()
@@ -118,9 +153,24 @@ def load_rank_state(
 
     Call it after ``optimizer.load_state_dict(...)`` and after :func:`hf_onebit.attach`.
     """
+    state = read_rank_state(optimizer, directory, on_mismatch)
+    if state is None:
+        return False
+    state.pop(EXTRA, None)
+    optimizer.load_rank_state_dict(state)
+    return True
+
+
+def read_rank_state(
+    optimizer: OneBitOptimizer,
+    directory: str,
+    on_mismatch: Literal["error", "reset"] = "error",
+) -> dict | None:
+    """This rank's verified payload (with ``extra`` under :data:`EXTRA`), not applied yet; ``None``
+    after a reset (``on_mismatch="reset"``: the optimizer's per-rank state is started afresh)."""
     if on_mismatch not in ("error", "reset"):
         raise ValueError(f"on_mismatch must be 'error' or 'reset', got {on_mismatch!r}")
-    rank, world = optimizer.rank, optimizer.world_size
+    rank, world = file_rank(optimizer)
     pt_path, json_path = rank_state_paths(directory, rank, world)
     try:
         if not os.path.exists(pt_path):
@@ -137,6 +187,5 @@ def load_rank_state(
             raise RankStateError(f"{exc}. To start this rank's compression state afresh instead, pass on_mismatch='reset'.") from exc
         logger.warning("hf_onebit: %s; starting rank %d's compression state afresh (on_mismatch='reset')", exc, rank)
         optimizer.reset_rank_state()
-        return False
-    optimizer.load_rank_state_dict(state)
-    return True
+        return None
+    return state

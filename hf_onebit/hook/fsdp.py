@@ -177,7 +177,19 @@ class FSDPHookState(OneBitHookState):
         super().__init__(optimizer, process_group, grad_scaler)
         self.shard_group = shard_group
         self.owners: list = []  # (local shard, its DTensor parameter), in the optimizer's order
+        self.names: dict = {}  # id(local shard) -> its parameter's name in the model
         self.handles: list = []  # the optimizer's step hooks (lend and take back the gradients)
+
+    def dtensor_of(self, local: torch.Tensor):
+        """The model's DTensor parameter whose local shard ``local`` is (for distributed checkpoints)."""
+        for shard, param in self.owners:
+            if shard is local:
+                return param
+        raise KeyError("hf_onebit: this tensor is not the local shard of an FSDP2 parameter of the attached model")
+
+    @property
+    def shard_size(self) -> int:
+        return 1 if self.shard_group is None else dist.get_world_size(self.shard_group)
 
     def lend_grads(self, *_unused) -> None:
         """Before ``step()``: each local shard's ``.grad`` is its DTensor's (what FSDP wrote after the
@@ -325,6 +337,8 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
         optimizer.hierarchical = False
     state = FSDPHookState(optimizer, cross, shard_group)
     state.owners = [(p, param_of[id(p)]) for p in optimizer.params_in_order() if id(p) in param_of]
+    name_of = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    state.names = {id(local): name_of[id(param)] for local, param in state.owners if id(param) in name_of}
     state.handles = [optimizer.register_step_pre_hook(state.lend_grads),
                      optimizer.register_step_post_hook(state.take_back_grads)]
     run_self_test(optimizer)

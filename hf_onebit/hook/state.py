@@ -145,6 +145,9 @@ class OneBitHookState:
     #: Whether each rank holds shards of the parameters (FSDP2), so that statistics of whole
     #: tensors need :meth:`sum_over_shards`.
     sharded = False
+    #: Ranks that hold the shards of one replica (1: every rank holds whole tensors). Per-rank
+    #: state files record it: error buffers belong to one shard layout.
+    shard_size = 1
 
     def sum_over_shards(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks that hold the other shards of the same parameters (the

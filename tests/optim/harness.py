@@ -70,7 +70,8 @@ def build_optimizer(name: str, params, kwargs: dict):
 
 
 def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=None, resume_dir=None,
-          bucket_cap_mb=0.01, start_step=0, record_steps=False, tiny_grads=False, late_grads=False, shard_size=None):
+          bucket_cap_mb=0.01, start_step=0, record_steps=False, tiny_grads=False, late_grads=False, shard_size=None,
+          sharded_checkpoint=False, on_mismatch="error"):
     """Train for ``steps`` steps; return the parameters after every step and some stats.
 
     With ``save_dir``/``save_at`` the optimizer, model and per-rank state are saved after step
@@ -79,6 +80,9 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
     traffic it caused (``opt.last_step_comm``). ``tiny_grads``, ``late_grads``: see :func:`fixed_grads`.
     ``shard_size``: FSDP2 instead of DDP, the model sharded over replicas of that many ranks
     (:func:`hf_onebit.replica_mesh`); the history then holds the whole parameters.
+    ``sharded_checkpoint`` (with ``shard_size``): save and resume through distributed checkpoints,
+    the model's with DCP and the optimizer's with :func:`hf_onebit.save_sharded` /
+    :func:`hf_onebit.load_sharded` (``on_mismatch`` goes to the latter), in place of per-rank files.
     """
     import hf_onebit
 
@@ -91,7 +95,13 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
     opt = build_optimizer(opt_name, model.parameters(), opt_kwargs)
     # FSDP2: every rank saves its own shards of the parameters and of the optimizer state
     own = "" if shard_size is None else f"_rank{rank}"
-    if resume_dir is not None:
+    if resume_dir is not None and sharded_checkpoint:
+        import torch.distributed.checkpoint as dcp
+
+        saved = model.state_dict()
+        dcp.load(saved, checkpoint_id=os.path.join(resume_dir, "model"))
+        model.load_state_dict(saved)
+    elif resume_dir is not None:
         saved = torch.load(os.path.join(resume_dir, f"model{own}.pt"), weights_only=True)
         if shard_size is None:
             model.load_state_dict(saved)
@@ -102,7 +112,9 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
         opt.load_state_dict(torch.load(os.path.join(resume_dir, f"optimizer{own}.pt"), weights_only=True))
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb) if shard_size is None else model
     hf_onebit.attach(ddp, opt)
-    if resume_dir is not None:
+    if resume_dir is not None and sharded_checkpoint:
+        hf_onebit.load_sharded(opt, os.path.join(resume_dir, "optimizer"), on_mismatch)
+    elif resume_dir is not None:
         path = os.path.join(resume_dir, f"rank{rank}.pt")
         opt.load_rank_state_dict(torch.load(path, weights_only=True))
     history = []
@@ -117,7 +129,12 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
         history.append([whole(p) for p in model.parameters()])
         if record_steps:
             per_step.append({"plan": plan, **opt.last_step_comm.as_dict()})
-        if save_dir is not None and step == save_at:
+        if save_dir is not None and step == save_at and sharded_checkpoint:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(model.state_dict(), checkpoint_id=os.path.join(save_dir, "model"))
+            hf_onebit.save_sharded(opt, os.path.join(save_dir, "optimizer"))
+        elif save_dir is not None and step == save_at:
             if shard_size is not None:
                 torch.save([p.detach().to_local().clone() for p in model.parameters()],
                            os.path.join(save_dir, f"model{own}.pt"))
