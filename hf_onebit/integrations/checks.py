@@ -20,7 +20,7 @@ from hf_onebit.refusals import UnsupportedSetup, check_find_unused, check_sparse
 __all__ = [
     "UnsupportedSetup", "check_accelerator", "check_distributed_type", "check_find_unused", "check_launch",
     "check_model", "check_sparse", "check_trainer", "deepspeed_message", "fsdp_message", "model_parallel_message",
-    "refuse_arguments",
+    "note_fsdp_not_run", "refuse_arguments",
 ]
 
 DOCS = "docs/integrations.md"
@@ -141,10 +141,32 @@ def check_model(model: torch.nn.Module) -> None:
     check_sparse(model)
 
 
+def note_fsdp_not_run(distributed_type, env: Mapping[str, str] | None = None) -> bool:
+    """Say once when the launch asked for FSDP but Accelerate runs something else. Returns whether it said so.
+
+    ``accelerate launch`` with ``distributed_type: FSDP`` exports ``ACCELERATE_USE_FSDP=true``;
+    Accelerate (checked: 1.15) turns it into FSDP only on accelerator devices (GPU, XPU, ...). On
+    CPU processes it runs plain DDP (``MULTI_CPU``) without a word: hf_onebit then compresses DDP
+    as usual, and the user should know the model is not sharded.
+    """
+    env = os.environ if env is None else env
+    kind = str(getattr(distributed_type, "value", distributed_type) or "").upper()
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or kind == "FSDP":
+        return False
+    from hf_onebit.integrations.logs import announce
+
+    return announce(
+        f"the launch asked for FSDP (distributed_type: FSDP), but Accelerate runs {kind or 'no distributed mode'}:"
+        " it shards models only on GPUs and other accelerators, not on CPU processes. This run is plain DDP,"
+        f" which hf_onebit compresses as usual; the model is not sharded. See {DOCS}."
+    )
+
+
 def check_accelerator(accelerator) -> None:
     """Refuse launches and Accelerate modes hf_onebit cannot serve."""
     check_launch(accelerator.num_processes)
     check_distributed_type(accelerator.distributed_type, getattr(accelerator, "parallelism_config", None))
+    note_fsdp_not_run(accelerator.distributed_type)
 
 
 def refuse_arguments(args) -> None:

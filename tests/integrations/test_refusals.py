@@ -51,6 +51,50 @@ def test_accelerate_fsdp_deepspeed_megatron_and_parallelism_config_are_refused()
     check_distributed_type("MULTI_CPU")
 
 
+def test_an_fsdp_launch_that_accelerate_runs_as_ddp_is_announced(monkeypatch):
+    from hf_onebit.integrations import checks, logs
+
+    monkeypatch.setattr(logs, "_announced", set())
+    monkeypatch.setenv("RANK", "0")
+    assert checks.note_fsdp_not_run("MULTI_CPU", env={"ACCELERATE_USE_FSDP": "true"})
+    monkeypatch.setattr(logs, "_announced", set())
+    assert not checks.note_fsdp_not_run("MULTI_CPU", env={})  # no FSDP asked for
+    assert not checks.note_fsdp_not_run("FSDP", env={"ACCELERATE_USE_FSDP": "true"})  # refused elsewhere
+
+
+FSDP2_CPU_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+use_cpu: true
+mixed_precision: 'no'
+rdzv_backend: static
+same_network: true
+main_training_function: main
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: BertLayer
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+"""
+
+
+def test_an_fsdp_config_on_cpu_trains_as_ddp_and_says_so(tmp_path):
+    """Accelerate 1.15 runs `distributed_type: FSDP` as DDP on CPU processes; hf_onebit compresses
+    that DDP and tells the user the model is not sharded."""
+    config = tmp_path / "fsdp2_cpu.yaml"
+    config.write_text(FSDP2_CPU_CONFIG)
+    res = accelerate_launch(
+        [str(SCRIPTS / "onebit_train.py"), "--output_dir", str(tmp_path / "o"), "--optim", "onebit_adam",
+         "--freeze_step", "2", "--max_steps", "4", "--report_to", "none", "--use_cpu"],
+        config=config, timeout=240,
+    ).check()
+    assert "the launch asked for FSDP (distributed_type: FSDP), but Accelerate runs MULTI_CPU" in res.output
+    assert "entering phase 'compression'" in res.output
+
+
 @pytest.mark.parametrize("how", ["device_map", "tp_plan"])
 def test_model_parallel_models_are_refused(tmp_path, how):
     from hf_onebit import OneBitTrainer
