@@ -36,6 +36,8 @@ hsdp_adamw         FSDP2 hybrid sharding (2-D mesh) + AdamW: fp32 reduce-scatter
 hsdp_onebit_adam   FSDP2 sharded inside each node + hf_onebit.OneBitAdam: the same reduce-scatter, then
                    the shard exchanged with 1 bit between the nodes (hf_onebit.hook.fsdp); also
                    hsdp_zeroone_adam
+fsdp_adamw         FSDP2 over all 4 ranks (1-D mesh) + AdamW: the fp32 all-gather and reduce-scatter run
+                   across the nodes; the layout hf_onebit.attach refuses, measured as its baseline
 
 Reported per method: samples/s in the compression phase (steps freeze+3 .. steps) and its ratio
 to AdamW and to flat 1-bit Adam; bytes sent per rank per step (the counters of network.py);
@@ -66,7 +68,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from netbench import HSDP_METHODS, LABELS, METHODS, NODE_METHODS, REPO
+from netbench import FSDP_METHODS, HSDP_METHODS, LABELS, METHODS, NODE_METHODS, REPO
 from netbench.link import Interrupted, _raise_interrupted, kill_running, launch_rank, parse_rate, stop_ranks, wait_for_ranks
 from netbench.methods import worker
 from netbench.plots import two_node_plot
@@ -75,7 +77,7 @@ from netbench.twonode import TwoNodes, link_summary, markdown_table, node_probe
 from network import _freeze_arg, worker_args
 
 WORLD, LOCAL = 4, 2  # 2 nodes x 2 ranks
-CHOICES = [m for m in METHODS if m != "binsgdm"] + NODE_METHODS + HSDP_METHODS
+CHOICES = [m for m in METHODS if m != "binsgdm"] + NODE_METHODS + HSDP_METHODS + FSDP_METHODS
 DEFAULT_METHODS = ["adamw", "powersgd", "onebit_adam", "onebit_adam_nodes"]
 
 
@@ -125,7 +127,7 @@ def print_rate(entry: dict) -> None:
           f" after {entry['load_after']}) ===")
     for line in markdown_table(entry["rate"], summary, link):
         print(line)
-    print("samples/s: compression-phase window, all ranks (vs AdamW: HSDP rows against HSDP + AdamW);"
+    print("samples/s: compression-phase window, all ranks (vs AdamW: FSDP2 rows against HSDP + AdamW);"
           " B/step per rank: what each rank sends (its counters, intra- and inter-node); inter-node B/step: both directions, all ranks, counted (inter_node_stats"
           " for the exchange by node, gloo's algorithm shares for the flat collectives, DDP's buffer broadcast)"
           " and measured on the veth (tx of both ends: TCP/IP headers and ACKs included); intra-node: the counted"

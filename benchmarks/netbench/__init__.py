@@ -22,8 +22,16 @@ LABELS = {
     "hsdp_adamw": "HSDP + AdamW",
     "hsdp_onebit_adam": "HSDP + 1-bit Adam",
     "hsdp_zeroone_adam": "HSDP + 0/1 Adam",
+    "fsdp_adamw": "FSDP (1-D) + AdamW",
 }
 #: The exchange by node (``hierarchical=True``): only with several nodes (benchmarks/two_nodes.py).
 NODE_METHODS = ["onebit_adam_nodes", "zeroone_adam_nodes", "onebit_lamb_nodes"]
 #: FSDP2 hybrid sharding: shard inside a node, exchange between nodes (benchmarks/two_nodes.py).
 HSDP_METHODS = ["hsdp_adamw", "hsdp_onebit_adam", "hsdp_zeroone_adam"]
+#: FSDP2 sharded over every rank (no replica to exchange with): the layout hf_onebit refuses, as a baseline.
+FSDP_METHODS = ["fsdp_adamw"]
+
+
+def is_fsdp_method(method: str) -> bool:
+    """Whether ``method`` trains with FSDP2 (no DDP, no DDP buffer broadcast)."""
+    return method.startswith(("hsdp_", "fsdp_"))

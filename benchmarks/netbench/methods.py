@@ -103,6 +103,8 @@ def build_method(method: str, model, args):
 
     import hf_onebit
 
+    if method == "fsdp_adamw":
+        return build_fsdp_adamw(model, args)
     if method.startswith("hsdp_"):
         return build_hsdp(method[len("hsdp_"):], model, args)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -159,6 +161,53 @@ def build_hsdp(method: str, model, args):
         opt = onebit_optimizer(method, params, args, args.freeze)
         hf_onebit.attach(model, opt)
     return opt, model, HSDPCount(model, opt)
+
+
+def build_fsdp_adamw(model, args):
+    """FSDP2 over every rank (a 1-D mesh of the world) + AdamW: the layout ``hf_onebit.attach``
+    refuses (no replica to exchange with), measured as the baseline for that refusal. The fp32
+    all-gather of the parameters and reduce-scatter of the gradients both run over all ranks,
+    so they cross the slow link."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model)  # the default mesh: every rank
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    return opt, model, FlatFSDPCount(model, opt)
+
+
+class FlatFSDPCount:
+    """Bytes each rank sends per step under FSDP2 over all ``W`` ranks: ``(W-1)/W`` of every
+    parameter's bytes (the all-gather) and of the trained ones' (the reduce-scatter). Half of them
+    count as crossing between the nodes (a ring in rank order over 2 nodes crosses on 2 of its 4
+    hops); the veth column measures what does."""
+
+    def __init__(self, model, opt) -> None:
+        import torch.distributed as dist
+
+        from hf_onebit.comm.stats import CommRecord, CommStats
+
+        world = dist.get_world_size()
+        every = sum(p.numel() * p.element_size() for p in model.parameters())
+        trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self.sent = (world - 1) * (every + trained) // world
+        opt.inter_node_stats = CommStats()
+        self.record = CommRecord(bytes_sent=self.sent // 2, rounds=0)
+        self.opt, self.steps = opt, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def after_step(self) -> None:
+        self.steps += 1
+        self.opt.inter_node_stats.record(self.record)
+
+    def read(self) -> tuple[int, int]:
+        return self.steps * self.sent, 2 * self.steps
 
 
 class HSDPCount:

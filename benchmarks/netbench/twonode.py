@@ -42,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from netbench import is_fsdp_method
 from netbench.link import _run, tbf_burst_bytes
 
 BROADCAST_CROSSINGS = 2  # DDP's buffer broadcast from rank 0, binomial tree: 0->2 and 1->3 cross
@@ -211,7 +212,7 @@ def node_probe(veth: str):
 # ====================================================================== analysis
 def broadcast_crossing(method: str, buffer_bytes: int) -> int:
     """Bytes of DDP's buffer broadcast that cross between the nodes per step (none under FSDP2)."""
-    return 0 if method.startswith("hsdp_") else BROADCAST_CROSSINGS * buffer_bytes
+    return 0 if is_fsdp_method(method) else BROADCAST_CROSSINGS * buffer_bytes
 
 
 def inter_node_counted(method: str, recs: list, buffer_bytes: int = 0) -> list[float]:
@@ -224,7 +225,7 @@ def inter_node_counted(method: str, recs: list, buffer_bytes: int = 0) -> list[f
     counts its crossing bytes itself, also on steps with none (0/1 Adam's local steps).
     """
     steps = len(recs[0])
-    hsdp = method.startswith("hsdp_")  # FSDP2: what crosses is counted as such
+    hsdp = is_fsdp_method(method)  # FSDP2: what crosses is counted as such
     out = [float(broadcast_crossing(method, buffer_bytes))] * steps
     for r in recs:
         prev = {"bytes": 0, "inter": 0, "fp32": 0}
@@ -286,7 +287,7 @@ def markdown_table(rate: str, summary: dict, link: dict) -> list[str]:
     ]
     for m, r in rows.items():
         lk = link[m]
-        base = rows.get("hsdp_adamw" if m.startswith("hsdp_") else "adamw")  # like against like
+        base = rows.get("hsdp_adamw" if is_fsdp_method(m) else "adamw")  # like against like (FSDP against HSDP)
         lines.append(
             f"| {r['label']} | {r['sps_compress']:.1f} | {x(r['sps_compress'], base['sps_compress']) if base else '-'}"
             f" | {x(r['sps_compress'], flat['sps_compress']) if flat else '-'} | {fmt_bytes(r['bytes_compress'])}"
