@@ -37,9 +37,10 @@ over its replica: the automatic freeze's statistics (one small all-reduce per ch
 LAMB's norms, factors and momentum scalings (two small all-reduces per step, and one copy of the
 rank's shards for the directions held meanwhile).
 
-Not built yet (``docs/limitations.md``): a loss scaler, FSDP's CPU
-offload and fp16 reduction, Shard(dim > 0) placements, and distributed checkpoints (DTensor
-optimizer state); with ``S = 1`` every rank's state is whole and saves as on the DDP path.
+Checkpoints: :mod:`hf_onebit.sharded_checkpoint` writes the optimizer state as a distributed
+checkpoint, finding each local shard's DTensor and name through :meth:`FSDPHookState.dtensor_of`
+and ``names``. Not built yet (``docs/limitations.md``): a loss scaler, FSDP's CPU offload and
+fp16 reduction, Shard(dim > 0) placements.
 """
 
 from __future__ import annotations
