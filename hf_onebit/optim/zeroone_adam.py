@@ -105,6 +105,14 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             ``update_clip·sqrt(v̂)``; ``False`` adds the unclipped step and leaves the bound to
             the sync's clip (the same ``update_clip·lr`` here). Which is better depends on the
             run (docs/algorithms.md, "Update clip"); the HF integration passes ``False``.
+        sync_in_momentum_units: at a sync, compress ``u ⊙ (sqrt(v)+eps) / λ`` (the mean momentum
+            since the last sync) instead of ``u ⊙ (sqrt(v)+eps)`` (the spec: a sum of
+            learning-rate-weighted momenta), and multiply the average by ``λ`` again. The error
+            feedback then carries momentum, whatever the learning rate. In the spec's units a
+            residual left at one sync is divided by the next sync's ``λ`` when the momentum
+            ``-ū/λ`` is restored: as a decaying schedule takes ``λ`` towards 0 at the end of a
+            run, the restored momentum becomes mostly compression residue. ``False`` (default):
+            the spec.
 
     Phases and what each step communicates (``n`` ranks):
 
@@ -190,13 +198,16 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         clip_synced_momentum: bool = True,
         refresh_mask: bool = False,
         momentum_correction: bool = False,
+        sync_in_momentum_units: bool = False,
         hierarchical: bool | None = False,
     ) -> None:
         self.update_clip = check_update_clip(update_clip)
         for name, switch in (("clip_synced_momentum", clip_synced_momentum), ("refresh_mask", refresh_mask),
-                             ("momentum_correction", momentum_correction)):
+                             ("momentum_correction", momentum_correction),
+                             ("sync_in_momentum_units", sync_in_momentum_units)):
             check_bool(switch, name)
         self.clip_synced_momentum = clip_synced_momentum
+        self.sync_in_momentum_units = sync_in_momentum_units
         self.refresh_mask = refresh_mask
         self.momentum_correction = momentum_correction
         self.init_freeze(var_freeze_step, "var_freeze_step")
@@ -416,6 +427,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                 state = self._init_local_state(p)
                 denom = self._denominator(state, groups[id(p)])
                 torch.mul(state["momentum_accumulator"], denom, out=view.view(p.shape))
+                if self.sync_in_momentum_units and state["lr_sum"] > 0:
+                    view.div_(state["lr_sum"])
             futures.append(self.link.compress_async(seg, Plan.SYNC_AFTER_STEP))
         for seg, fut in zip(segments, futures):
             fut.wait()
@@ -430,6 +443,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                 # compression noise (the segment's scale and error feedback), which would move a
                 # frozen parameter. Leave it, and its state, where they are.
                 if lam > 0:
+                    if self.sync_in_momentum_units:
+                        ubar.mul_(lam)
                     torch.div(ubar, -lam, out=state["exp_avg"])
                     point = state["synced_param"]
                     # the spec's (p - u) + ū/(sqrt(v)+eps); with update_clip no coordinate moves by more than update_clip·λ
