@@ -49,8 +49,11 @@ class ZeroOneAdamSimulation:
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  auto_mask=True, bias_correction=False, scale_per_tensor=False, update_clip=None,
-                 clip_synced_momentum=True, refresh_mask=False, momentum_correction=False, nodes=None):
+                 clip_synced_momentum=True, refresh_mask=False, momentum_correction=False, sync_in_momentum_units=False,
+                 nodes=None):
         self.n = n
+        # hf_onebit's option: a sync compresses u ⊙ (sqrt(v)+eps) / λ and multiplies the mean by λ
+        self.momentum_units = sync_in_momentum_units
         # hf_onebit's option: steps that do not update v divide by max(sqrt(v̂), |m|/c) + eps (with
         # clip_synced_momentum=False a local step followed at once by a sync adds its unclipped
         # step to u), and a sync moves by ū/(max(sqrt(v̂), |ū|/(c·λ)) + eps)
@@ -170,8 +173,12 @@ class ZeroOneAdamSimulation:
             kind = L
             if sync:
                 kind = S
+                per = [np.float32(self.lam[r]) if self.momentum_units and self.lam[r] > 0 else None for r in range(n)]
                 ubar = self._compressed_allreduce(
-                    [[self.u[r][k] * self._denom(k) for k in range(P)] for r in range(n)])
+                    [[self.u[r][k] * self._denom(k) / per[r] if per[r] else self.u[r][k] * self._denom(k)
+                      for k in range(P)] for r in range(n)])
+                if per[0]:  # λ is the same on every rank
+                    ubar = [u * per[0] for u in ubar]
                 if n > 1:  # one process: the "compressed" all-reduce is exact, nothing to mask
                     ubar = [u * mk for u, mk in zip(ubar, self.mask)]
                 for r in range(n):
@@ -415,6 +422,25 @@ def test_momentum_and_bias_correction_make_the_first_steps_adamw():
     assert opt.var_updates == 16
 
 
+def _momentum_units_run(rank, world_size):
+    return train(rank, world_size, OPT, dict(KWARGS, sync_in_momentum_units=True, update_clip=CLIP), STEPS,
+                 record_steps=True)
+
+
+def test_sync_in_momentum_units_matches_its_simulation():
+    """sync_in_momentum_units=True through every phase on 2 ranks (syncs 1, 2 and 4 steps apart,
+    so λ changes between syncs and the error feedback's units matter); the spec's units end
+    elsewhere (the option is not ignored)."""
+    outs = run_distributed(_momentum_units_run, 2)
+    kwargs = dict(KWARGS, sync_in_momentum_units=True, update_clip=CLIP)
+    assert _check_against_simulation(outs, kwargs, STEPS, 2) == SCHEDULE
+    spec = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 2, outs[0]["segments"],
+                                 **dict(kwargs, sync_in_momentum_units=False))
+    for step in range(1, STEPS + 1):
+        spec_units = spec.step(_grads(step, 2))[0]
+    assert any(not np.allclose(g.numpy(), w, rtol=1e-3) for g, w in zip(outs[0]["history"][-1], spec_units))
+
+
 def test_refresh_mask_and_momentum_correction_are_validated():
     from hf_onebit.optim.zeroone_adam import ZeroOneAdam
 
@@ -422,6 +448,8 @@ def test_refresh_mask_and_momentum_correction_are_validated():
         ZeroOneAdam([torch.nn.Parameter(torch.ones(2))], refresh_mask=1)
     with pytest.raises(TypeError, match="momentum_correction"):
         ZeroOneAdam([torch.nn.Parameter(torch.ones(2))], momentum_correction="yes")
+    with pytest.raises(TypeError, match="sync_in_momentum_units"):
+        ZeroOneAdam([torch.nn.Parameter(torch.ones(2))], sync_in_momentum_units=1)
 
 
 CLIP = 0.5
