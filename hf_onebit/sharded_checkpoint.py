@@ -177,13 +177,23 @@ def load_sharded(
     names = _names(optimizer, link)
     params = optimizer.params_in_order()
     by_name = dict(zip(names, params))
+    # Everything that can refuse the checkpoint runs before the optimizer changes.
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     flat = _template(metadata, by_name, link)
-    dcp.load(flat, checkpoint_id=directory)
-    meta = torch.load(io.BytesIO(flat.pop(_META)), weights_only=True)
+    head = {_META: None}
+    dcp.load(head, checkpoint_id=directory)
+    meta = torch.load(io.BytesIO(head[_META]), weights_only=True)
     if meta.get("format") != FORMAT_VERSION or meta.get("optimizer") != type(optimizer).__name__:
         raise ValueError(f"hf_onebit.load_sharded: {directory} holds {meta.get('optimizer')} state (format"
                          f" {meta.get('format')}), this optimizer is {type(optimizer).__name__}.")
+    saved, now = (meta["world_size"], meta["shard_size"]), (file_rank(optimizer)[1], shard_size(optimizer))
+    if saved != now and on_mismatch == "error":
+        raise ValueError(
+            f"hf_onebit.load_sharded: {directory} was saved by world_size={saved[0]}, shard_size={saved[1]}, this run"
+            f" has world_size={now[0]}, shard_size={now[1]}: the moments would be resharded, but the per-rank state"
+            " (error buffers) belongs to other shards. To start the per-rank state afresh, pass on_mismatch='reset'.")
+    flat.pop(_META)
+    dcp.load(flat, checkpoint_id=directory)
     index = {name: i for i, name in enumerate(names)}
     state: dict = {}
     for key, value in flat.items():
@@ -199,7 +209,7 @@ def load_sharded(
     optimizer.load_state_dict({"state": state, "param_groups": groups, "onebit": meta["onebit"]})
     payload = read_rank_state(optimizer, directory, on_mismatch)
     if payload is None:
-        if meta["shard_only"] and optimizer.rank == 0:
+        if meta["shard_only"] and file_rank(optimizer)[0] == 0:
             logger.warning("hf_onebit: the per-rank state was started afresh, and with it these entries that only some"
                            " shards held: %s", ", ".join(f"{n}: {'/'.join(k)}" for n, k in meta["shard_only"].items()))
         return False
