@@ -177,39 +177,6 @@ def build_fsdp_adamw(model, args):
     return opt, model, FlatFSDPCount(model, opt)
 
 
-class FlatFSDPCount:
-    """Bytes each rank sends per step under FSDP2 over all ``W`` ranks: ``(W-1)/W`` of every
-    parameter's bytes (the all-gather) and of the trained ones' (the reduce-scatter). Half of them
-    count as crossing between the nodes (a ring in rank order over 2 nodes crosses on 2 of its 4
-    hops); the veth column measures what does."""
-
-    def __init__(self, model, opt) -> None:
-        import torch.distributed as dist
-
-        from hf_onebit.comm.stats import CommRecord, CommStats
-
-        world = dist.get_world_size()
-        every = sum(p.numel() * p.element_size() for p in model.parameters())
-        trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        self.sent = (world - 1) * (every + trained) // world
-        opt.inter_node_stats = CommStats()
-        self.record = CommRecord(bytes_sent=self.sent // 2, rounds=0)
-        self.opt, self.steps = opt, 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    def after_step(self) -> None:
-        self.steps += 1
-        self.opt.inter_node_stats.record(self.record)
-
-    def read(self) -> tuple[int, int]:
-        return self.steps * self.sent, 2 * self.steps
-
-
 class HSDPCount:
     """Bytes each rank sends per step under hybrid sharding, from the collectives' sizes.
 
@@ -228,8 +195,7 @@ class HSDPCount:
 
         local = int(os.environ["LOCAL_WORLD_SIZE"])
         nodes = dist.get_world_size() // local
-        every = sum(p.numel() * p.element_size() for p in model.parameters())
-        trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        every, trained = _param_bytes(model)
         self.intra = (local - 1) * (every + trained) // local
         self.onebit = hasattr(opt, "comm_stats")
         if self.onebit:
@@ -253,6 +219,33 @@ class HSDPCount:
     def read(self) -> tuple[int, int]:
         inter = self.opt.inter_node_stats.snapshot()
         return self.steps * self.intra + inter.bytes_sent, 2 * self.steps + inter.rounds
+
+
+class FlatFSDPCount(HSDPCount):
+    """Bytes each rank sends per step under FSDP2 over all ``W`` ranks: ``(W-1)/W`` of every
+    parameter's bytes (the all-gather) and of the trained ones' (the reduce-scatter). Half of them
+    count as crossing between the nodes (a ring in rank order over 2 nodes crosses on 2 of its 4
+    hops), the other half as staying inside; the veth column measures what does cross."""
+
+    def __init__(self, model, opt) -> None:
+        import torch.distributed as dist
+
+        from hf_onebit.comm.stats import CommRecord, CommStats
+
+        world = dist.get_world_size()
+        every, trained = _param_bytes(model)
+        sent = (world - 1) * (every + trained) // world
+        self.intra, self.onebit = sent - sent // 2, False
+        opt.inter_node_stats = CommStats()
+        self.record = CommRecord(bytes_sent=sent // 2, rounds=0)
+        self.opt, self.steps = opt, 0
+
+
+def _param_bytes(model) -> tuple[int, int]:
+    """Bytes of every parameter and of the trained ones."""
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return every, trained
 
 
 def onebit_optimizer(method: str, params, args, freeze: int):

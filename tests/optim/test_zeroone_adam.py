@@ -391,17 +391,22 @@ def _momentum_correction_run(rank, world_size):
                  record_steps=True)
 
 
-def test_momentum_correction_matches_its_simulation():
-    """momentum_correction=True (with the update clip, whose bound then applies to m̂) through every
-    phase on 2 ranks; the uncorrected simulation ends elsewhere (the option is not ignored)."""
-    outs = run_distributed(_momentum_correction_run, 2)
-    kwargs = dict(KWARGS, momentum_correction=True, update_clip=CLIP)
+def _check_option(run, kwargs: dict, option: str) -> None:
+    """``run`` (2 ranks, ``kwargs`` with ``option=True``) matches its simulation through every
+    phase, and the simulation with the option off ends elsewhere (the option is not ignored)."""
+    outs = run_distributed(run, 2)
     assert _check_against_simulation(outs, kwargs, STEPS, 2) == SCHEDULE
-    plain = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 2, outs[0]["segments"],
-                                  **dict(kwargs, momentum_correction=False))
+    off = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 2, outs[0]["segments"],
+                                **dict(kwargs, **{option: False}))
     for step in range(1, STEPS + 1):
-        uncorrected = plain.step(_grads(step, 2))[0]
-    assert any(not np.allclose(g.numpy(), w, rtol=1e-3) for g, w in zip(outs[0]["history"][-1], uncorrected))
+        without = off.step(_grads(step, 2))[0]
+    assert any(not np.allclose(g.numpy(), w, rtol=1e-3) for g, w in zip(outs[0]["history"][-1], without))
+
+
+def test_momentum_correction_matches_its_simulation():
+    """momentum_correction=True, with the update clip, whose bound then applies to m̂."""
+    _check_option(_momentum_correction_run, dict(KWARGS, momentum_correction=True, update_clip=CLIP),
+                  "momentum_correction")
 
 
 def test_momentum_and_bias_correction_make_the_first_steps_adamw():
@@ -428,17 +433,10 @@ def _momentum_units_run(rank, world_size):
 
 
 def test_sync_in_momentum_units_matches_its_simulation():
-    """sync_in_momentum_units=True through every phase on 2 ranks (syncs 1, 2 and 4 steps apart,
-    so λ changes between syncs and the error feedback's units matter); the spec's units end
-    elsewhere (the option is not ignored)."""
-    outs = run_distributed(_momentum_units_run, 2)
-    kwargs = dict(KWARGS, sync_in_momentum_units=True, update_clip=CLIP)
-    assert _check_against_simulation(outs, kwargs, STEPS, 2) == SCHEDULE
-    spec = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 2, outs[0]["segments"],
-                                 **dict(kwargs, sync_in_momentum_units=False))
-    for step in range(1, STEPS + 1):
-        spec_units = spec.step(_grads(step, 2))[0]
-    assert any(not np.allclose(g.numpy(), w, rtol=1e-3) for g, w in zip(outs[0]["history"][-1], spec_units))
+    """sync_in_momentum_units=True: syncs 1, 2 and 4 steps apart, so λ changes between syncs and
+    the error feedback's units matter."""
+    _check_option(_momentum_units_run, dict(KWARGS, sync_in_momentum_units=True, update_clip=CLIP),
+                  "sync_in_momentum_units")
 
 
 def test_refresh_mask_and_momentum_correction_are_validated():
