@@ -123,8 +123,9 @@ def _verified_state(optimizer: OneBitOptimizer, pt_path: str, json_path: str) ->
     }
     defaults = {"shard_size": 1}
     for key, want in expected.items():
-        if meta.get(key, defaults.get(key)) != want:
-            raise RankStateError(f"{json_path} is for {key}={meta.get(key)!r}, this run has {key}={want!r}")
+        saved = meta.get(key, defaults.get(key))
+        if saved != want:
+            raise RankStateError(f"{json_path} is for {key}={saved!r}, this run has {key}={want!r}")
     with open(pt_path, "rb") as f:
         data = f.read()
     digest = hashlib.sha256(data).hexdigest()
