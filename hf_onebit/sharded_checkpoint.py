@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from hf_onebit.checkpoint import EXTRA, file_rank, read_rank_state, save_rank_state, shard_size
+from hf_onebit.hook.fsdp import FSDPHookState
 from hf_onebit.optim.base import OneBitOptimizer, logger
 
 FORMAT_VERSION = 1
@@ -57,21 +58,20 @@ _STATE = "optimizer.state."
 _META = "hf_onebit"
 
 
-def _fsdp_link(optimizer: OneBitOptimizer, what: str):
+def _shards(optimizer: OneBitOptimizer, what: str) -> list[tuple[str, torch.Tensor, object]]:
+    """``(parameter name, local shard, DTensor parameter)`` for each of the optimizer's
+    parameters, in its order (from what :func:`~hf_onebit.hook.fsdp.attach_fsdp` recorded)."""
     link = optimizer.link
-    if link is None or not hasattr(link, "dtensor_of"):
+    if not isinstance(link, FSDPHookState):
         raise ValueError(f"hf_onebit.{what}: the optimizer is not attached to an FSDP2 model (hf_onebit.attach(model,"
                          " optimizer) after fully_shard); on the DDP path save optimizer.state_dict() on rank 0 and"
                          " hf_onebit.save_rank_state on every rank.")
-    return link
-
-
-def _names(optimizer: OneBitOptimizer, link) -> list[str]:
+    param_of = {id(local): param for local, param in link.owners}
     params = optimizer.params_in_order()
     missing = [i for i, p in enumerate(params) if id(p) not in link.names]
     if missing:
         raise ValueError(f"hf_onebit: optimizer parameters {missing[:8]} are not parameters of the attached FSDP2 model")
-    return [link.names[id(p)] for p in params]
+    return [(link.names[id(p)], p, param_of[id(p)]) for p in params]
 
 
 def _sharded(value, local: torch.Tensor, param):
@@ -89,9 +89,8 @@ def save_sharded(optimizer: OneBitOptimizer, directory: str) -> None:
     (see the module docstring). Every rank calls it."""
     import torch.distributed.checkpoint as dcp
 
-    link = _fsdp_link(optimizer, "save_sharded")
-    names = _names(optimizer, link)
-    params = optimizer.params_in_order()
+    shards = _shards(optimizer, "save_sharded")
+    names = [name for name, _, _ in shards]
     sd = optimizer.state_dict()
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {i: sorted(entry) for i, entry in sd["state"].items()})
@@ -102,8 +101,8 @@ def save_sharded(optimizer: OneBitOptimizer, directory: str) -> None:
             shard_only[i] = sorted(set.union(*held) - set.intersection(*held))
     state, own = {}, {}
     for i, entry in sd["state"].items():
-        param = link.dtensor_of(params[i])
-        state[names[i]] = {k: _sharded(v, params[i], param) for k, v in entry.items() if k not in shard_only.get(i, ())}
+        name, local, param = shards[i]
+        state[name] = {k: _sharded(v, local, param) for k, v in entry.items() if k not in shard_only.get(i, ())}
         mine = {k: v for k, v in entry.items() if k in shard_only.get(i, ())}
         if mine:
             own[i] = mine
@@ -123,7 +122,7 @@ def save_sharded(optimizer: OneBitOptimizer, directory: str) -> None:
     save_rank_state(optimizer, directory, extra={"shard_only_state": own})
 
 
-def _template(metadata: dict, by_name: dict, link) -> dict:
+def _template(metadata: dict, by_name: dict) -> dict:
     """What to load, from the checkpoint's metadata: a tensor (DTensor for a parameter-shaped
     one, sharded like this run's parameter) for each tensor entry, ``None`` for a plain value."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -143,8 +142,7 @@ def _template(metadata: dict, by_name: dict, link) -> dict:
         if not isinstance(item, TensorStorageMetadata):
             template[key] = None
             continue
-        local = by_name[name]
-        param = link.dtensor_of(local)
+        local, param = by_name[name]
         dtype = item.properties.dtype
         if len(item.size) > 0 and tuple(item.size) == tuple(param.shape):
             empty = torch.empty(local.shape, dtype=dtype, device=local.device)
@@ -173,13 +171,12 @@ def load_sharded(
 
     if on_mismatch not in ("error", "reset"):
         raise ValueError(f"on_mismatch must be 'error' or 'reset', got {on_mismatch!r}")
-    link = _fsdp_link(optimizer, "load_sharded")
-    names = _names(optimizer, link)
-    params = optimizer.params_in_order()
-    by_name = dict(zip(names, params))
+    shards = _shards(optimizer, "load_sharded")
+    names = [name for name, _, _ in shards]
+    by_name = {name: (local, param) for name, local, param in shards}
     # Everything that can refuse the checkpoint runs before the optimizer changes.
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
-    flat = _template(metadata, by_name, link)
+    flat = _template(metadata, by_name)
     head = {_META: None}
     dcp.load(head, checkpoint_id=directory)
     meta = torch.load(io.BytesIO(head[_META]), weights_only=True)
@@ -214,7 +211,7 @@ def load_sharded(
                            " shards held: %s", ", ".join(f"{n}: {'/'.join(k)}" for n, k in meta["shard_only"].items()))
         return False
     for i, entry in payload.pop(EXTRA)["shard_only_state"].items():
-        p = params[i]
+        p = shards[i][1]
         for key, value in entry.items():
             optimizer.state[p][key] = value.to(p.device) if isinstance(value, torch.Tensor) else value
     optimizer.load_rank_state_dict(payload)

@@ -38,8 +38,8 @@ LAMB's norms, factors and momentum scalings (two small all-reduces per step, and
 rank's shards for the directions held meanwhile).
 
 Checkpoints: :mod:`hf_onebit.sharded_checkpoint` writes the optimizer state as a distributed
-checkpoint, finding each local shard's DTensor and name through :meth:`FSDPHookState.dtensor_of`
-and ``names``. Not built yet (``docs/limitations.md``): a loss scaler, FSDP's CPU offload and
+checkpoint, finding each local shard's DTensor and name through :class:`FSDPHookState`'s
+``owners`` and ``names``. Not built yet (``docs/limitations.md``): a loss scaler, FSDP's CPU offload and
 fp16 reduction, Shard(dim > 0) placements.
 """
 
@@ -180,13 +180,6 @@ class FSDPHookState(OneBitHookState):
         self.owners: list = []  # (local shard, its DTensor parameter), in the optimizer's order
         self.names: dict = {}  # id(local shard) -> its parameter's name in the model
         self.handles: list = []  # the optimizer's step hooks (lend and take back the gradients)
-
-    def dtensor_of(self, local: torch.Tensor):
-        """The model's DTensor parameter whose local shard ``local`` is (for distributed checkpoints)."""
-        for shard, param in self.owners:
-            if shard is local:
-                return param
-        raise KeyError("hf_onebit: this tensor is not the local shard of an FSDP2 parameter of the attached model")
 
     @property
     def shard_size(self) -> int:
