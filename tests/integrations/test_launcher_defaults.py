@@ -38,18 +38,19 @@ def _parse_stock(monkeypatch, argv):
     return args
 
 
-def test_no_clipping_for_binsgdm_and_onebit_adam_unless_given(patched, monkeypatch, capfd):
+def test_no_clipping_for_binsgdm_and_the_adams_unless_given(patched, monkeypatch, capfd):
     args = _parse_stock(monkeypatch, ["--optim", "binsgdm"])
     assert args.max_grad_norm == 0.0
     err = capfd.readouterr().err
     assert "hf_onebit: --max_grad_norm 0 for --optim binsgdm (was 1.0)" in err and "Pass --max_grad_norm" in err
     assert _parse_stock(monkeypatch, ["--optim", "onebit_adam"]).max_grad_norm == 0.0
+    assert _parse_stock(monkeypatch, ["--optim", "zeroone_adam"]).max_grad_norm == 0.0
     # given explicitly, in any spelling argparse accepts: kept
     for flag in (["--max_grad_norm", "1.0"], ["--max-grad-norm=1.0"], ["--max_grad", "1.0"]):
         assert _parse_stock(monkeypatch, ["--optim", "binsgdm", *flag]).max_grad_norm == 1.0, flag
     # not ours: untouched
     assert _parse_stock(monkeypatch, ["--optim", "adamw_torch"]).max_grad_norm == 1.0
-    assert _parse_stock(monkeypatch, ["--optim", "zeroone_adam"]).max_grad_norm == 1.0
+    assert _parse_stock(monkeypatch, ["--optim", "onebit_lamb"]).max_grad_norm == 1.0
 
 
 def test_lamb_learning_rate_unless_given(patched, monkeypatch, capfd):
