@@ -39,7 +39,8 @@ automatic freeze (``--freeze_step auto`` / ``--var_freeze_step auto``: when the 
 settled, within 10-40% of the run; the chosen step is logged and in the report), one compression
 scale per tensor, and ``--max_grad_norm 0`` for BinSGDM (its vote average has a norm of about
 sqrt(#parameters)), 1-bit Adam (after the freeze ``.grad`` holds the momentum: clipping it is
-not clipping the gradient) and 0/1 Adam (with its variance frozen, clipping shrinks every step). Pass them to override (``--freeze_step 48``).
+not clipping the gradient) and 0/1 Adam (with its variance frozen, clipping shrinks every step).
+Pass them to override (``--freeze_step 48``).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def test_no_clipping_for_binsgdm_and_the_adams_unless_given(patched, monkeypatch
     # given explicitly, in any spelling argparse accepts: kept
     for flag in (["--max_grad_norm", "1.0"], ["--max-grad-norm=1.0"], ["--max_grad", "1.0"]):
         assert _parse_stock(monkeypatch, ["--optim", "binsgdm", *flag]).max_grad_norm == 1.0, flag
-    # not ours: untouched
+    # not ours, or not in the table (1-bit LAMB): untouched
     assert _parse_stock(monkeypatch, ["--optim", "adamw_torch"]).max_grad_norm == 1.0
     assert _parse_stock(monkeypatch, ["--optim", "onebit_lamb"]).max_grad_norm == 1.0
 
