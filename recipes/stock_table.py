@@ -19,7 +19,8 @@ optimizers with a warmup (1-bit Adam, 0/1 Adam, 1-bit LAMB): a fixed freeze inst
 one (run directories ``<optim>-freezeN-seed<S>``); the command line is then still the same for
 every optimizer except ``--optim``. ``--optim-args`` (an experiment, with its own ``--out``) adds
 more ``--optim_args`` for those three; ``--train-args`` (an experiment too) adds arguments of the
-stock script (``--learning_rate 1e-4``) for every run.
+stock script (``--learning_rate 1e-4``) for every run; ``--adamw-from outputs/stock_table`` then
+pairs the experiment's runs with the stock table's AdamW runs of the same seeds.
 
 Results land in ``outputs/stock_table/<optim>-seed<N>/all_results.json`` (written by the stock
 ``Trainer.save_metrics``) with the run's log beside it; the table (markdown) is printed and
@@ -117,16 +118,20 @@ def summary(out: Path, optim: str, seed: int, freeze: int | None = None) -> dict
             "decisions": sorted({m.group(1).strip() for m in DECISIONS.finditer(log)})}
 
 
-def table(out: Path, seeds: list[int], freeze: int | None = None, within: float = 1.0) -> str:
+def table(out: Path, seeds: list[int], freeze: int | None = None, within: float = 1.0,
+          adamw_from: Path | None = None) -> str:
     """The markdown table; ``within``: the goal's band around AdamW's mean, in points (issue 15:
-    1 point; issue 11: 0.5). The spread is the sample standard deviation over the seeds."""
+    1 point; issue 11: 0.5). The spread is the sample standard deviation over the seeds.
+    ``adamw_from``: the folder of the AdamW runs to compare with (default ``out``), so that an
+    experiment written to its own ``--out`` is still paired with the stock table's AdamW."""
     rows = ["| --optim | " + " | ".join(f"seed {s}" for s in seeds) + " | mean dev accuracy (sd) | Δ vs AdamW (points)"
             f" | whole-run ratio vs fp32 all-reduce | goal (within {within:g} point; ratio ≥ 1.5x, BinSGDM ≥ 10x) |",
             "|---|" + "---|" * len(seeds) + "---|---|---|---|"]
     base = None
     notes = []
     for optim in OPTIMS:
-        got = {s: summary(out, optim, s, freeze) for s in seeds}
+        folder = (adamw_from or out) if optim == "adamw_torch" else out
+        got = {s: summary(folder, optim, s, freeze) for s in seeds}
         accs = [g["accuracy"] for g in got.values() if g]
         if not accs:
             continue
@@ -135,8 +140,10 @@ def table(out: Path, seeds: list[int], freeze: int | None = None, within: float 
         ratios = [g["ratio"] for g in got.values() if g]
         if optim == "adamw_torch":
             base, delta, verdict = mean, "—", "—"
+        elif base is None:  # a verdict needs AdamW's runs of the same seeds
+            delta, verdict = "—", f"no AdamW run in {adamw_from or out} (see --adamw-from)"
         else:
-            d = mean - base if base is not None else float("nan")
+            d = mean - base
             delta = f"{d:+.2f}"
             need = 10.0 if optim == "binsgdm" else 1.5
             complete = len(accs) == len(seeds)
@@ -167,12 +174,17 @@ def main() -> None:
                              " '--learning_rate 1e-4'); the stock table itself passes none. Use with --out")
     parser.add_argument("--out", default=str(REPO / "outputs" / "stock_table"))
     parser.add_argument("--summarize", action="store_true", help="only print the table of existing results")
+    parser.add_argument("--adamw-from", default=None,
+                        help="the folder of the AdamW runs to compare with (default: --out), e.g. the stock"
+                             " table's own when an experiment has its own --out (same --dataset subfolder rule)")
     parser.add_argument("--within", type=float, default=1.0,
                         help="the goal's band around AdamW, in points (default 1: issue 15; issue 11 asks 0.5)")
     args = parser.parse_args()
     out = Path(args.out)
+    adamw_from = Path(args.adamw_from) if args.adamw_from else None
     if args.dataset not in (None, "rotten_tomatoes"):
         out = out / args.dataset
+        adamw_from = adamw_from / args.dataset if adamw_from else None
     if not args.summarize:
         files, model = data_files(args.dataset), model_path()
         for seed in args.seeds:
@@ -184,7 +196,7 @@ def main() -> None:
                 print(f"    dev accuracy {100 * r['eval_accuracy']:.1f}  loss {r['eval_loss']:.3f}"
                       f"  ratio {float(r.get('onebit/ratio_vs_ddp', 1.0)):.2f}x  wall {r['wall_seconds']:.0f} s",
                       flush=True)
-    text = table(out, args.seeds, args.freeze, args.within)
+    text = table(out, args.seeds, args.freeze, args.within, adamw_from)
     print(text)
     out.mkdir(parents=True, exist_ok=True)
     (out / ("table.md" if args.freeze is None else f"table-freeze{args.freeze}.md")).write_text(text + "\n")

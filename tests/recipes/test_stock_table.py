@@ -47,3 +47,23 @@ def test_a_fixed_freeze_is_passed_only_to_the_optimizers_with_a_warmup():
     # AdamW and BinSGDM share their runs with the automatic-freeze table: one baseline per seed
     assert stock_table.run_name("zeroone_adam", 43, 48) == "zeroone_adam-freeze48-seed43"
     assert stock_table.run_name("binsgdm", 43, 48) == stock_table.run_name("binsgdm", 43) == "binsgdm-seed43"
+
+
+def _fake_run(folder, name, accuracy):
+    (folder / name).mkdir(parents=True)
+    (folder / name / "all_results.json").write_text(json.dumps({"eval_accuracy": accuracy, "eval_loss": 0.4}))
+
+
+def test_an_experiment_in_its_own_folder_is_paired_with_adamw_from_another(tmp_path):
+    stock, experiment = tmp_path / "stock_table", tmp_path / "experiment"
+    for seed, acc in ((42, 0.810), (43, 0.812)):
+        _fake_run(stock, f"adamw_torch-seed{seed}", acc)
+    for seed, acc in ((42, 0.800), (43, 0.806)):
+        _fake_run(experiment, f"zeroone_adam-seed{seed}", acc)
+    alone = stock_table.table(experiment, [42, 43], within=0.5).splitlines()[-1]
+    assert alone.startswith("| zeroone_adam") and alone.endswith(f"no AdamW run in {experiment} (see --adamw-from) |")
+    paired = stock_table.table(experiment, [42, 43], within=0.5, adamw_from=stock)
+    adamw_row, zeroone_row = [line for line in paired.splitlines() if line.startswith("| adamw_torch") or
+                              line.startswith("| zeroone_adam")]
+    assert "81.10" in adamw_row
+    assert "| -0.80 |" in zeroone_row and "**missed**" in zeroone_row  # 80.30 - 81.10, outside 0.5 points
