@@ -98,7 +98,7 @@ from netbench import METHODS, REPO
 from netbench.link import (Interrupted, Namespaces, _free_port, _raise_interrupted, kill_running, launch_rank,
                            parse_rate, stop_ranks, wait_for_ranks)
 from netbench.methods import worker
-from netbench.plots import make_plots
+from netbench.plots import make_plots, seeds_loss_plot
 from netbench.report import _window_freeze, fmt_bytes, goals, print_table, report, summarize
 
 
@@ -184,7 +184,9 @@ def main() -> None:
                         help="run the methods this many times, round-robin; timings are medians")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     parser.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
-    parser.add_argument("--plot-from", type=Path, default=None, help="only plot the results of an earlier --json")
+    parser.add_argument("--plot-from", type=Path, nargs="+", default=None,
+                        help="only plot the results of an earlier --json; several (the same command at other"
+                             " --seed values): also their losses side by side (network_loss_seeds.png)")
     parser.add_argument("--no-netns", action="store_true",
                         help="do not create namespaces: one unthrottled run on the host loopback (what non-root gets)")
     parser.add_argument("--probe", action="store_true",
@@ -231,8 +233,12 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         return
     if args.plot_from:
-        results = json.loads(args.plot_from.read_text())
-        for p in make_plots(results, args.plot_dir or Path("docs/img")):
+        runs = [json.loads(f.read_text()) for f in args.plot_from]
+        plot_dir = args.plot_dir or Path("docs/img")
+        paths = make_plots(runs[0], plot_dir)
+        if len(runs) > 1:
+            paths.append(seeds_loss_plot(runs, plot_dir / "network_loss_seeds.png"))
+        for p in paths:
             print(f"wrote {p}")
         return
     if _window_freeze(args) + 3 > args.steps:

@@ -138,6 +138,47 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     return paths
 
 
+def warmup_end(phases: list[str]) -> int | None:
+    """The last step of a method's uncompressed warmup (0/1 Adam: its variance phase), from the
+    per-step phases a run records; ``None`` for a method without one or that never left it."""
+    ends = [i for i, ph in enumerate(phases) if ph not in ("warmup", "variance")]
+    return ends[0] if ends and ends[0] > 0 else None
+
+
+def seeds_loss_plot(runs: list[dict], path: Path) -> Path:
+    """The same command at several ``--seed`` values (``--plot-from A.json B.json ...``): training
+    loss against the step, one panel per run, on one scale; each method's end of warmup dashed in
+    its colour. What one seed's curve cannot show: whether a gap is the method's or the draw's."""
+    import re
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 5), sharey=True, squeeze=False)
+    ref = ema(runs[0]["rates"][0]["summary"]["rows"]["adamw"]["loss"])
+    span = max(ref) - min(ref)
+    for ax, results in zip(axes[0], runs):
+        rows = results["rates"][0]["summary"]["rows"]
+        seed = re.search(r"--seed (\d+)", results["meta"]["command"])
+        for m in [m for m in METHODS if m in rows]:
+            ax.plot(range(1, len(rows[m]["loss"]) + 1), ema(rows[m]["loss"]), color=COLORS[m], label=LABELS[m])
+            end = warmup_end(rows[m].get("phases") or [])
+            if end is not None:
+                ax.axvline(end + 0.5, color=COLORS[m], ls="--", lw=1)
+        ax.set_ylim(min(ref) - 0.3 * span, max(ref) + 0.3 * span)
+        ax.set_xlabel("step (dashed: each method's end of warmup)")
+        ax.set_title(f"--seed {seed.group(1) if seed else 0} ({results['meta']['date']})")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("training loss (EMA 0.8, mean of ranks)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"Training loss at {len(runs)} seeds: {model_title(runs[0])}, {runs[0]['meta']['steps']} steps,"
+                 f" freeze {runs[0]['meta']['freeze']}")
+    how = " | ".join(dict.fromkeys(r["meta"]["command"].split(" --json")[0] for r in runs))
+    return save_plot(fig, how + f" | {runs[0]['meta']['machine']}", path, bottom=0.09)
+
+
 def model_title(results: dict) -> str:
     m = results["meta"].get("model", "scratch")
     n = results["params"] / 1e6
