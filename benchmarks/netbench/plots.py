@@ -140,8 +140,10 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
 
 def warmup_end(phases: list[str]) -> int | None:
     """The last step of a method's uncompressed warmup (0/1 Adam: its variance phase), from the
-    per-step phases a run records; ``None`` for a method without one or that never left it."""
-    ends = [i for i, ph in enumerate(phases) if ph not in ("warmup", "variance")]
+    per-step phases a run records; ``None`` for a method without one or that never left it. (The
+    benchmark labels the steps of the methods without phases, AdamW and PowerSGD, "warmup" and
+    "steady" by its own measuring window: no end of warmup for them.)"""
+    ends = [i for i, ph in enumerate(phases) if ph not in ("warmup", "variance", "steady")]
     return ends[0] if ends and ends[0] > 0 else None
 
 
