@@ -49,7 +49,7 @@ NO_CLIPPING = {
     # After var_freeze_step the variance that divides the step is frozen, so clipping at 1 scales every step
     # by 1/||g|| (each rank's own gradient: ||g|| 2.3-5.3 on the tweets after the freeze), which Adam's variance
     # would have absorbed. The stock table, paired with AdamW: tweets -1.15 / -0.63 points (automatic / 20%
-    # freeze, 3 seeds) with clipping, +0.21 / +0.58 without; Rotten Tomatoes (auto, 2 seeds) -0.73 -> +0.04.
+    # freeze, 3 seeds) with clipping, +0.21 / +0.58 without; Rotten Tomatoes (3 seeds) -0.45 / +0.13 -> +0.03 / +0.03.
     "zeroone_adam": "after the variance freezes, clipping scales each step by 1/||g|| and the frozen variance does not"
                     " undo it",
 }
