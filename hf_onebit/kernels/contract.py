@@ -46,6 +46,23 @@ class KernelBackend(Protocol):
 
     def check_bounds(self, bounds, length: int) -> list[int]: ...
 
+    # the b-bit exchange (spec §1b): ``width``-bit codes in place of signs, max-abs scales
+    def qworker_scale(self, x: torch.Tensor, error: torch.Tensor, *, width: int, bounds=None) -> torch.Tensor: ...
+
+    def qworker_pack(self, x: torch.Tensor, error: torch.Tensor, scales: torch.Tensor, rank: int,
+                     codes_out: torch.Tensor, *, width: int, bounds=None) -> None: ...
+
+    def qserver_average(self, codes: torch.Tensor, scales: torch.Tensor, *, width: int, bounds=None) -> torch.Tensor: ...
+
+    def qserver_scale(self, codes: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor, *,
+                      width: int, bounds=None) -> torch.Tensor: ...
+
+    def qserver_pack(self, codes: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor,
+                     scale: torch.Tensor, codes_out: torch.Tensor, *, width: int, bounds=None) -> None: ...
+
+    def qunpack_scaled(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, width: int,
+                       bounds=None) -> None: ...
+
 
 #: the functions every backend module defines (the members of :class:`KernelBackend`)
 OPERATIONS = tuple(name for name in vars(KernelBackend) if not name.startswith("_"))
@@ -115,3 +132,64 @@ def check_unpack(bits: torch.Tensor, scales: torch.Tensor | None, out: torch.Ten
     if out.numel() > 8 * n * row_bytes:
         raise ValueError(f"out has {out.numel()} elements, bits only {8 * n * row_bytes}")
     return n, row_bytes
+
+
+# ------------------------------------------------------------------ the b-bit exchange (spec §1b)
+#: the bit widths of the b-bit exchange
+WIDTHS = (8, 4)
+
+
+def check_width(width) -> int:
+    """``width`` is one of :data:`WIDTHS` (a plain int, not a bool)."""
+    if type(width) is not int or width not in WIDTHS:  # neither True nor 8.0
+        raise ValueError(f"width must be one of {WIDTHS} bits, got {width!r}")
+    return int(width)
+
+
+def code_bytes(numel: int, width: int) -> int:
+    """Bytes of ``numel`` packed ``width``-bit codes (``numel`` a multiple of 8)."""
+    return numel * width // 8
+
+
+def check_qworker(x: torch.Tensor, error: torch.Tensor, width, codes_out: torch.Tensor | None = None) -> int:
+    """:func:`check_worker` for ``width``-bit codes: ``codes_out`` uint8 of ``L·width/8`` bytes."""
+    width = check_width(width)
+    length = check_worker(x, error)
+    if codes_out is not None:
+        require(codes_out, "codes_out", torch.uint8, code_bytes(length, width))
+    return length
+
+
+def check_qrows(codes: torch.Tensor, width, scales: torch.Tensor | None = None) -> tuple[int, int]:
+    """``(n, C)`` of the ``(n, C·width/8)`` uint8 codes, at least one row; without pieces,
+    ``scales`` holds one scale per row."""
+    width = check_width(width)
+    if codes.dim() != 2 or codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be a 2-D uint8 tensor (n, C * width // 8), got {tuple(codes.shape)} {codes.dtype}")
+    n, row_bytes = codes.shape
+    if n == 0:
+        raise ValueError("codes must have at least one row")
+    if scales is not None and scales.numel() != n:
+        raise ValueError(f"scales must hold {n} elements (one per row of codes), got {scales.numel()}")
+    return n, row_bytes * 8 // width
+
+
+def check_qserver(codes: torch.Tensor, width, scales: torch.Tensor | None, server_error: torch.Tensor,
+                  codes_out: torch.Tensor | None = None) -> tuple[int, int]:
+    """The server side: :func:`check_qrows`, ``server_error`` fp32 of one row's ``C`` elements,
+    ``codes_out`` uint8 of one row's bytes."""
+    n, chunk = check_qrows(codes, width, scales)
+    require(server_error, "server_error", torch.float32, chunk)
+    if codes_out is not None:
+        require(codes_out, "codes_out", torch.uint8, codes.shape[1])
+    return n, chunk
+
+
+def check_qunpack(codes: torch.Tensor, width, scales: torch.Tensor | None, out: torch.Tensor) -> tuple[int, int]:
+    """:func:`check_qrows`; ``out`` a float tensor (any layout) of at most ``n·C`` elements."""
+    n, chunk = check_qrows(codes, width, scales)
+    if not out.is_floating_point():
+        raise TypeError(f"out must be a floating-point tensor, got {out.dtype}")
+    if out.numel() > n * chunk:
+        raise ValueError(f"out has {out.numel()} elements, codes only {n * chunk}")
+    return n, chunk

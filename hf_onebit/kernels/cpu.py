@@ -12,6 +12,10 @@ explains why they look as they do. Outputs of :func:`unpack_scaled` hold only tw
 (``±t_j``): torch converts those ``2·n`` values to the out dtype (bitwise what the reference's
 ``copy_`` does), and the loop only copies raw bit patterns.
 
+The b-bit operations (``q*``, spec §1b) are defined exactly, scales included, and match the
+reference bitwise; :func:`qunpack_scaled` converts a table of every code's value per piece the
+same way for 16-bit and float64 outs, and writes fp32 outs directly.
+
 Every tensor -> numpy conversion of the backend is made in this file: it is host code by
 construction, which tests/optim/test_host_syncs.py exempts by this file's name.
 """
@@ -23,6 +27,13 @@ import torch
 
 from . import contract
 from .cpu_loops import (
+    _qserver_amax_pieces,
+    _qserver_average_pieces,
+    _qserver_pack_pieces,
+    _qunpack_lut_pieces,
+    _qunpack_pieces,
+    _qworker_amax_pieces,
+    _qworker_pack_pieces,
     _server_average,
     _server_average_pieces,
     _server_pack,
@@ -37,15 +48,24 @@ from .cpu_loops import (
     _worker_sumsq,
     _worker_sumsq_pieces,
 )
-from .reference import check_bounds, pack_signs, unpack_signs
+from .reference import check_bounds, levels, pack_codes, pack_signs, unpack_codes, unpack_signs
 
 __all__ = [
     "check_bounds",
+    "levels",
     "pack_bools",
+    "pack_codes",
     "pack_signs",
+    "qserver_average",
+    "qserver_pack",
+    "qserver_scale",
+    "qunpack_scaled",
+    "qworker_pack",
+    "qworker_scale",
     "server_average",
     "server_pack",
     "server_scale",
+    "unpack_codes",
     "unpack_scaled",
     "unpack_signs",
     "worker_pack",
@@ -302,6 +322,151 @@ def pack_bools(flags: torch.Tensor, out: torch.Tensor) -> None:
     if flags.numel() % 8 or out.numel() * 8 != flags.numel():
         raise ValueError(f"pack_bools: {flags.numel()} flags (a multiple of 8) into {out.numel()} bytes")
     out.numpy()[:] = np.packbits(flags.numpy())
+
+
+# --------------------------------------------------------------------------------------------
+# The b-bit exchange (spec §1b): same structure, width-bit codes and max-abs scales
+# --------------------------------------------------------------------------------------------
+
+
+def _codes_view(codes: torch.Tensor) -> np.ndarray:
+    """The ``(n, C·width/8)`` codes (shape and dtype checked by ``contract.check_qrows``)."""
+    _check_cpu("codes", codes)
+    return codes.detach().contiguous().numpy()
+
+
+def _whole(length: int) -> np.ndarray:
+    """The bounds of one piece over everything: the single-scale call as a piece call."""
+    return np.array([0, length], dtype=np.int64)
+
+
+def _amax_scales(amax_bits: np.ndarray, width: int) -> torch.Tensor:
+    """``max|y| / Q`` per piece from the kernels' ``max|y|`` bit patterns: the reference's fp32
+    division, done by torch (0 for an empty piece, NaN or inf as soon as the piece had one)."""
+    amax = torch.from_numpy(amax_bits.view(np.float32))
+    return amax / torch.tensor(float(levels(width)), dtype=torch.float32)
+
+
+def qworker_scale(x: torch.Tensor, error: torch.Tensor, *, width: int, bounds=None) -> torch.Tensor:
+    """``max|x_padded + error| / Q`` as a 0-dim fp32 tensor (0 for an empty buffer).
+
+    With ``bounds``: the ``(P,)`` scale of each piece.
+    """
+    contract.check_qworker(x, error, width)
+    e = _inplace_view("error", error, torch.float32)
+    bnd = _whole(e.size) if bounds is None else _bounds_array(bounds, e.size)
+    amax = np.empty(bnd.size - 1, np.uint32)
+    _qworker_amax_pieces(_input_view(x), e, bnd, amax)
+    scales = _amax_scales(amax, width)
+    return scales.reshape(()) if bounds is None else scales
+
+
+def qworker_pack(x: torch.Tensor, error: torch.Tensor, scales: torch.Tensor, rank: int, codes_out: torch.Tensor,
+                 *, width: int, bounds=None) -> None:
+    """Write the codes of ``y = x + error`` at this rank's scales; ``error = y - s·q`` only when
+    every scale (all ranks, all pieces) is finite. Scales as for :func:`worker_pack`."""
+    contract.check_qworker(x, error, width, codes_out)
+    if bounds is None:
+        contract.check_rank(scales, rank)
+    e = _inplace_view("error", error, torch.float32)
+    c = _inplace_view("codes_out", codes_out, torch.uint8)
+    if e.size == 0:  # nothing to pack (the reference returns before reading the bounds too)
+        return
+    update = bool(torch.isfinite(scales).all())  # on the given dtype, as the reference does
+    if bounds is None:
+        own = _scales_f32(scales, scales.numel())[rank : rank + 1]
+        bnd = _whole(e.size)
+    else:
+        bnd = _bounds_array(bounds, e.size)
+        pieces = bnd.size - 1
+        _check_cpu("scales", scales)
+        if scales.numel() % pieces or not 0 <= rank < scales.numel() // pieces:
+            raise ValueError(f"scales {tuple(scales.shape)} do not hold rank {rank}'s {pieces} piece scales")
+        own = scales.detach().reshape(-1, pieces)[rank].to(torch.float32).contiguous().numpy()
+    _qworker_pack_pieces(_input_view(x), e, c, own, bnd, update, int(width))
+
+
+def _q_row_scales(scales: torch.Tensor, n: int, bounds, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The piece bounds over one chunk and the ``(P, n)`` scales (one piece without ``bounds``)."""
+    if bounds is None:
+        return _whole(chunk), _scales_f32(scales, n).reshape(1, n)
+    bnd = _bounds_array(bounds, chunk)
+    return bnd, _piece_scales(scales, n, bnd.size - 1)
+
+
+def qserver_average(codes: torch.Tensor, scales: torch.Tensor, *, width: int, bounds=None) -> torch.Tensor:
+    """``mean_i scales[i] · q_i`` in rank order (scales as for :func:`server_average`)."""
+    n, chunk = contract.check_qrows(codes, width, scales if bounds is None else None)
+    cn = _codes_view(codes)
+    out = torch.empty(chunk, dtype=torch.float32)
+    bnd, st = _q_row_scales(scales, n, bounds, chunk)
+    _qserver_average_pieces(cn, st, bnd, out.numpy(), int(width))
+    return out
+
+
+def qserver_scale(codes: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor, *, width: int,
+                  bounds=None) -> torch.Tensor:
+    """``max|qserver_average + ē| / Q`` (0-dim), or the ``(P,)`` scales of the pieces of ``z``."""
+    n, chunk = contract.check_qserver(codes, width, scales if bounds is None else None, server_error)
+    cn = _codes_view(codes)
+    e = _inplace_view("server_error", server_error, torch.float32)
+    bnd, st = _q_row_scales(scales, n, bounds, chunk)
+    amax = np.empty(bnd.size - 1, np.uint32)
+    _qserver_amax_pieces(cn, st, e, bnd, amax, int(width))
+    t = _amax_scales(amax, width)
+    return t.reshape(()) if bounds is None else t
+
+
+def qserver_pack(codes: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor, scale: torch.Tensor,
+                 codes_out: torch.Tensor, *, width: int, bounds=None) -> None:
+    """Write the codes of ``z = average + ē`` at ``scale``; ``ē = z - t·q`` only if every ``t`` is finite."""
+    n, chunk = contract.check_qserver(codes, width, scales if bounds is None else None, server_error, codes_out)
+    cn = _codes_view(codes)
+    e = _inplace_view("server_error", server_error, torch.float32)
+    c = _inplace_view("codes_out", codes_out, torch.uint8)
+    bnd, st = _q_row_scales(scales, n, bounds, chunk)
+    scale = torch.as_tensor(scale).detach()
+    _check_cpu("scale", scale)
+    if scale.numel() != bnd.size - 1:
+        what = "one value" if bounds is None else f"{bnd.size - 1} piece scales"
+        raise ValueError(f"scale must hold {what}, got {scale.numel()}")
+    update = bool(torch.isfinite(scale).all())
+    t = scale.reshape(-1).to(torch.float32).contiguous().numpy()
+    _qserver_pack_pieces(cn, st, e, t, update, c, bnd, int(width))
+
+
+def qunpack_scaled(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, width: int,
+                   bounds=None) -> None:
+    """``out[k] = scales[k // C] · q_k`` for ``k < out.numel()`` (with ``bounds``: ``scales[piece(k)]``).
+
+    fp32 ``out`` is written directly (the reference's fp32 product). Any other dtype goes through
+    a table of every code's value per piece (``2**width`` of them: codes outside ``[0, 2Q]``
+    decode too, as in the reference), computed in fp32 and converted by torch itself, so every
+    out dtype rounds exactly like the reference's ``copy_``; the loop only copies bit patterns.
+    """
+    n, chunk = contract.check_qunpack(codes, width, scales if bounds is None else None, out)
+    cn = _codes_view(codes).reshape(-1)
+    _check_cpu("out", out)
+    if not out.is_contiguous():  # rare: decompress into contiguous memory, then copy over
+        tmp = torch.empty(out.shape, dtype=out.dtype)
+        qunpack_scaled(codes, scales, tmp, width=width, bounds=bounds)
+        out.copy_(tmp)
+        return
+    if bounds is None:  # the chunks are the pieces
+        bnd = np.arange(n + 1, dtype=np.int64) * chunk
+    else:
+        bnd = _bounds_array(bounds, n * chunk)
+    sc = _scales_f32(scales, bnd.size - 1)
+    flat = out.detach().reshape(-1)
+    if out.dtype == torch.float32:
+        _qunpack_pieces(cn, sc, bnd, flat.numpy(), int(width))
+        return
+    raw = _INT_OF_SIZE.get(out.element_size())
+    if raw is None or out.is_complex():
+        raise TypeError(f"qunpack_scaled cannot write {out.dtype}")
+    q = torch.arange(2**width, dtype=torch.float32) - levels(width)  # every code's level
+    lut = (q * torch.from_numpy(sc).reshape(-1, 1)).to(out.dtype).view(raw)
+    _qunpack_lut_pieces(cn, lut.contiguous().numpy(), bnd, flat.view(raw).numpy(), int(width))
 
 
 # --------------------------------------------------------------------------------------------

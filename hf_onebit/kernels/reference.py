@@ -70,6 +70,15 @@ __all__ = [
     "server_pack",
     "unpack_scaled",
     "check_bounds",
+    "qworker_scale",
+    "qworker_pack",
+    "qserver_average",
+    "qserver_scale",
+    "qserver_pack",
+    "qunpack_scaled",
+    "pack_codes",
+    "unpack_codes",
+    "levels",
 ]
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
@@ -269,4 +278,166 @@ def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *
         out.copy_(values[: out.numel()].view(out.shape))
         return
     values = unpack_signs(bits) * scales.reshape(-1, 1).to(torch.float32)
+    out.copy_(values.reshape(-1)[: out.numel()].view(out.shape))
+
+
+# ============================================================================================
+# The b-bit exchange (spec §1b): ``width``-bit codes and a max-abs scale in place of signs and RMS
+# ============================================================================================
+#
+# Vocabulary, besides the above:
+#
+# * ``width``    bits per element, 8 or 4 (:data:`~hf_onebit.kernels.contract.WIDTHS`).
+# * ``Q``        the largest level, ``2**(width-1) - 1`` (127 or 7).
+# * ``s``        a scale, ``max|y| / Q`` in fp32 over the piece (0 for an empty or all-zero one);
+#                NaN or inf as soon as ``y`` holds one (the max propagates them).
+# * ``q``        the level of an element, ``round_half_even(y / s)`` (IEEE fp32 division),
+#                clamped to ``[-Q, Q]``; ``q = 0`` wherever ``s`` is 0 or not finite.
+# * ``codes``    the levels on the wire, uint8: ``code = q + Q``. ``width=8``: one per byte;
+#                ``width=4``: two per byte, the first element in the high nibble (MSB first,
+#                as the signs).
+#
+# Decoding is ``s·q`` (one fp32 product): every rank decodes the same codes to the same values.
+# The operations mirror the five above, with a required keyword ``width``:
+#
+# 1. :func:`qworker_scale`    ``s = max|x + error| / Q``                          (read only)
+# 2. :func:`qworker_pack`     ``codes = q(y, s)``; ``error = y - s·q`` only if every rank's
+#                             scale is finite
+# 3. :func:`qserver_scale`    ``t = max|mean_i s_i·q_i + ē| / Q``                  (read only)
+# 4. :func:`qserver_pack`     ``codes = q(z, t)``; ``ē = z - t·q`` only if ``t`` is finite
+# 5. :func:`qunpack_scaled`   ``out[k] = t_{k // C} · q_k`` in ``out``'s dtype
+#
+# The server average is ``acc = 0; for i in 0..n-1: acc += s_i · q_i`` (fp32, rank order, the
+# product rounded before the sum: no fused multiply-add), then ``a = acc / n``. Every quantity is
+# defined exactly (a max, not a sum of squares), so every backend must agree bitwise, scales too.
+# ``bounds`` work as for the 1-bit operations: one scale per piece.
+
+
+def levels(width: int) -> int:
+    """``Q = 2**(width-1) - 1``, the largest level of a ``width``-bit code."""
+    return 2 ** (contract.check_width(width) - 1) - 1
+
+
+def pack_codes(q: torch.Tensor, width: int) -> torch.Tensor:
+    """Levels ``q`` (integral floats in ``[-Q, Q]``, a multiple of 8 of them) as uint8 codes."""
+    codes = (q.reshape(-1) + levels(width)).to(torch.uint8)
+    if width == 8:
+        return codes
+    pairs = codes.view(-1, 2)
+    return pairs[:, 0] * 16 + pairs[:, 1]
+
+
+def unpack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: fp32 levels, shape ``codes.shape[:-1] + (K·8/width,)``."""
+    Q = levels(width)
+    if width == 8:
+        return codes.to(torch.float32) - Q
+    high, low = torch.div(codes, 16, rounding_mode="floor"), codes.remainder(16)
+    pairs = torch.stack((high, low), dim=-1).to(torch.float32) - Q
+    return pairs.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
+
+
+def _amax_scale(y: torch.Tensor, width: int) -> torch.Tensor:
+    if y.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=y.device)
+    return y.abs().amax() / torch.tensor(float(levels(width)), dtype=torch.float32, device=y.device)
+
+
+def _piece_amax(y: torch.Tensor, b: list[int], width: int) -> torch.Tensor:
+    out = torch.zeros(len(b) - 1, dtype=torch.float32, device=y.device)
+    for p, (lo, hi) in enumerate(zip(b[:-1], b[1:])):
+        out[p] = _amax_scale(y[lo:hi], width)
+    return out
+
+
+def _quantize(y: torch.Tensor, s: torch.Tensor, width: int) -> torch.Tensor:
+    """``q``: ``s`` a scale or per-element scales; 0 where ``s`` is 0 or not finite."""
+    Q = levels(width)
+    usable = torch.isfinite(s) & (s > 0)
+    q = torch.round(y / torch.where(usable, s, 1.0)).clamp_(-Q, Q)
+    return torch.where(usable, q, 0.0)
+
+
+def _element_scales(scales: torch.Tensor, bounds, length: int) -> torch.Tensor:
+    """``scales`` (one per piece) repeated over each piece's elements."""
+    return _expand(scales.reshape(-1), check_bounds(bounds, length))
+
+
+def qworker_scale(x: torch.Tensor, error: torch.Tensor, *, width: int, bounds=None) -> torch.Tensor:
+    """``max|x_padded + error| / Q`` as a 0-dim fp32 tensor (0 for an empty buffer).
+
+    With ``bounds``: the ``(P,)`` scale of each piece.
+    """
+    contract.check_qworker(x, error, width)
+    y = _padded(x, error.numel()) + error
+    if bounds is None:
+        return _amax_scale(y, width)
+    return _piece_amax(y, check_bounds(bounds, error.numel()), width)
+
+
+def qworker_pack(x: torch.Tensor, error: torch.Tensor, scales: torch.Tensor, rank: int, codes_out: torch.Tensor,
+                 *, width: int, bounds=None) -> None:
+    """Write the codes of ``y = x + error`` at this rank's scales; ``error = y - s·q`` only when
+    every scale (all ranks, all pieces) is finite. Scales as for :func:`worker_pack`."""
+    contract.check_qworker(x, error, width, codes_out)
+    if bounds is None:
+        contract.check_rank(scales, rank)
+    y = _padded(x, error.numel()) + error
+    if y.numel() == 0:
+        return
+    if bounds is None:
+        s = scales[rank].to(torch.float32)
+    else:
+        b = check_bounds(bounds, error.numel())
+        s = _expand(scales.reshape(-1, len(b) - 1)[rank], b)
+    q = _quantize(y, s, width)
+    codes_out.copy_(pack_codes(q, width))
+    if bool(torch.isfinite(scales).all()):
+        error.copy_(y - s * q)
+
+
+def qserver_average(codes: torch.Tensor, scales: torch.Tensor, *, width: int, bounds=None) -> torch.Tensor:
+    """``mean_i scales[i] · q_i`` in rank order (scales as for :func:`server_average`)."""
+    n, chunk = contract.check_qrows(codes, width, scales if bounds is None else None)
+    q = unpack_codes(codes, width)
+    if bounds is not None:
+        b = check_bounds(bounds, chunk)
+        scales = _expand(scales.reshape(n, len(b) - 1), b)
+    acc = torch.zeros(chunk, dtype=torch.float32, device=codes.device)
+    for i in range(n):
+        acc += scales[i].to(torch.float32) * q[i]
+    return acc / n
+
+
+def qserver_scale(codes: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor, *, width: int,
+                  bounds=None) -> torch.Tensor:
+    """``max|qserver_average + ē| / Q`` (0-dim), or the ``(P,)`` scales of the pieces of ``z``."""
+    contract.check_qserver(codes, width, scales if bounds is None else None, server_error)
+    z = qserver_average(codes, scales, width=width, bounds=bounds) + server_error
+    if bounds is None:
+        return _amax_scale(z, width)
+    return _piece_amax(z, check_bounds(bounds, server_error.numel()), width)
+
+
+def qserver_pack(codes: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor, scale: torch.Tensor,
+                 codes_out: torch.Tensor, *, width: int, bounds=None) -> None:
+    """Write the codes of ``z = average + ē`` at ``scale``; ``ē = z - t·q`` only if every ``t`` is finite."""
+    contract.check_qserver(codes, width, scales if bounds is None else None, server_error, codes_out)
+    z = qserver_average(codes, scales, width=width, bounds=bounds) + server_error
+    t = scale.reshape(()) if bounds is None else _element_scales(scale, bounds, server_error.numel())
+    q = _quantize(z, t.to(torch.float32), width)
+    codes_out.copy_(pack_codes(q, width))
+    if bool(torch.isfinite(scale).all()):
+        server_error.copy_(z - t * q)
+
+
+def qunpack_scaled(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, width: int,
+                   bounds=None) -> None:
+    """``out[k] = scales[k // C] · q_k`` for ``k < out.numel()`` (with ``bounds``: ``scales[piece(k)]``)."""
+    n, chunk = contract.check_qunpack(codes, width, scales if bounds is None else None, out)
+    q = unpack_codes(codes, width)
+    if bounds is None:
+        values = q * scales.reshape(-1, 1).to(torch.float32)
+    else:
+        values = q.reshape(-1) * _element_scales(scales, bounds, n * chunk)
     out.copy_(values.reshape(-1)[: out.numel()].view(out.shape))

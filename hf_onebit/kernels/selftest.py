@@ -7,7 +7,8 @@ died"). :func:`self_test` runs the five operations of ``get_backend(device)`` on
 two simulated ranks, with one scale per chunk and with pieces, and compares every output with
 :mod:`hf_onebit.kernels.reference`: bits, the server average (defined with its summation order)
 and unpacked values exactly; scales and error buffers to fp32 rounding (the reference sums squares
-in float64). :func:`hf_onebit.attach` calls it for the CUDA buckets; ``hf-onebit check`` for
+in float64). The same for the five operations of the b-bit exchange (spec §1b) at 8 and 4 bits,
+whose results (codes, max-abs scales, errors, average, unpacked values) must all be bitwise equal. :func:`hf_onebit.attach` calls it for the CUDA buckets; ``hf-onebit check`` for
 whatever device is there.
 """
 
@@ -59,6 +60,48 @@ def _run(kernels, device: torch.device, dtype: torch.dtype, bounds) -> dict:
             "server average": average, "server scale": t, "server bits": packed, "server error": server_error, "unpacked": out}
 
 
+def _qrun(kernels, device: torch.device, dtype: torch.dtype, bounds, width: int) -> dict:
+    """:func:`_run` for the b-bit exchange (spec §1b) at ``width`` bits; keys name the width."""
+    xs, errors, server_error = _case(device, dtype)
+    worker_bounds = None if bounds is None else [0, 64, 256]
+    chunk_bounds = None if bounds is None else [0, 64, 128]
+    scales = torch.stack([kernels.qworker_scale(x, e, width=width, bounds=worker_bounds) for x, e in zip(xs, errors)])
+    codes = []
+    for r, (x, e) in enumerate(zip(xs, errors)):
+        out = torch.empty(256 * width // 8, dtype=torch.uint8, device=device)
+        kernels.qworker_pack(x, e, scales, r, out, width=width, bounds=worker_bounds)
+        codes.append(out)
+    # the server of chunk 0 receives both ranks' codes of their first 128 elements
+    row = 128 * width // 8
+    rows = torch.stack([c[:row] for c in codes])
+    average = kernels.qserver_average(rows, scales, width=width, bounds=chunk_bounds)
+    t = kernels.qserver_scale(rows, scales, server_error, width=width, bounds=chunk_bounds)
+    packed = torch.empty(row, dtype=torch.uint8, device=device)
+    kernels.qserver_pack(rows, scales, server_error, t, packed, width=width, bounds=chunk_bounds)
+    # every rank unpacks two chunks (this one twice, the second at half the scale) into 200 elements
+    gathered = torch.stack([packed, packed])
+    two = torch.cat([t.reshape(-1), t.reshape(-1) * 0.5])
+    out = torch.empty(200, dtype=dtype, device=device)
+    kernels.qunpack_scaled(gathered, two, out, width=width, bounds=None if bounds is None else [0, 64, 128, 192, 256])
+    return {f"{width}-bit {what}": value for what, value in (
+        ("worker scales", scales), ("worker codes", torch.stack(codes)), ("worker errors", torch.stack(errors)),
+        ("server average", average), ("server scale", t), ("server codes", packed), ("server error", server_error),
+        ("unpacked", out))}
+
+
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (the b-bit results are all defined exactly)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def _everything(kernels, device: torch.device, dtype: torch.dtype, bounds) -> dict:
+    got = _run(kernels, device, dtype, bounds)
+    for width in (8, 4):
+        got.update(_qrun(kernels, device, dtype, bounds, width))
+    return got
+
+
 def self_test(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
     """Check ``get_backend(device)`` against the reference for ``dtype`` inputs; returns its name.
 
@@ -75,7 +118,7 @@ def self_test(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
                " `hf-onebit check` for a report.")
     for bounds in (None, "pieces"):
         try:
-            got = _run(kernels, device, dtype, bounds)
+            got = _everything(kernels, device, dtype, bounds)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 - re-raised with what to do
@@ -84,11 +127,15 @@ def self_test(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
                 f" buffers: {type(exc).__name__}: {exc}. Triton needs a working C compiler and a Triton"
                 f" that matches the driver. {way_out}"
             ) from exc
-        want = _run(ref, device, dtype, bounds)
+        want = _everything(ref, device, dtype, bounds)
         for what, a in got.items():
             b = want[what]
-            exact = what.endswith("bits") or what in ("server average", "unpacked")  # defined exactly
-            same = torch.equal(a, b) if exact else torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
+            if what.startswith(("8-bit ", "4-bit ")):  # the b-bit exchange: everything exact, scales included
+                same = _identical(a, b)
+            elif what.endswith("bits") or what in ("server average", "unpacked"):  # defined exactly
+                same = torch.equal(a, b)
+            else:
+                same = torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
             if not same:
                 raise KernelSelfTestError(
                     f"hf_onebit: the {name} compression kernels disagree with the reference on {device} for"

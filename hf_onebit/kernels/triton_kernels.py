@@ -245,3 +245,209 @@ def _unpack_scaled_kernel(bits_ptr, table_ptr, out_ptr, numel, row_bytes, BLOCK:
     values = tl.where(_unpack_bytes(packed), pos[:, None], neg[:, None])
     tl.store(out_ptr + elem, values, mask=elem < numel)
 
+
+
+# --------------------------------------------------------------------------------------------
+# The b-bit exchange (spec §1b): ``WIDTH``-bit codes and max-abs scales
+# --------------------------------------------------------------------------------------------
+#
+# Bitwise agreement with the reference (every result is defined exactly, scales included):
+# * Max: ``|y|`` compared as int32 bit patterns. With the sign bit cleared these are ordered
+#   like the floats, and every NaN lies above +inf, so the integer max is exact, independent of
+#   the order, and propagates NaN (a float max on the GPU would drop it: ``max.f32`` returns
+#   the other operand). Each program writes one int32 partial; a one-program kernel reduces
+#   them and divides by ``Q`` (``div_rn``), so a scale costs no host sync and no torch op. A
+#   NaN max becomes the default quiet NaN first, as torch's ``amax`` returns it.
+# * Levels: ``y / s`` with ``div_rn``; clamped to ``[-Q, Q]`` first (round and clamp commute:
+#   the bounds are integers), then rounded half to even by adding and subtracting 1.5·2^23
+#   (exact for ``|v| <= 2^22``; libdevice ``rint`` does not run in the interpreter), keeping
+#   the sign of a zero result as ``rint`` (``torch.round``) does.
+# * Error ``y - s·q`` and average ``acc += s_i·q_i``: plain products and sums; the launches turn
+#   fused multiply-add off, so the product is rounded before the sum as in torch.
+# Codes are handled on ``[BLOCK // PER, PER]`` tiles (``PER = 8 // WIDTH`` elements per byte):
+# packing is a row reduction, unpacking a broadcast, as for the signs.
+
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: v + M rounds v to an integer, half to even
+
+
+@triton.jit
+def _qtile(WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's byte indices ``[BLOCK // PER]`` and element indices ``[BLOCK // PER, PER]``."""
+    PER: tl.constexpr = 8 // WIDTH
+    BYTES: tl.constexpr = BLOCK // PER
+    pid = tl.program_id(0).to(tl.int64)
+    byte = pid * BYTES + tl.arange(0, BYTES)
+    elem = byte[:, None] * PER + tl.arange(0, PER)[None, :]
+    return byte, elem
+
+
+@triton.jit
+def _abs_bits(v):
+    """``|v|`` as int32 bits: ordered like ``|v|``, every NaN above +inf (see above)."""
+    return tl.abs(v).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _amax_to_scale(amax_bits, WIDTH: tl.constexpr):
+    """The scale ``max|y| / Q`` from the int32 bits of ``max|y|`` (IEEE division)."""
+    Q: tl.constexpr = (1 << (WIDTH - 1)) - 1
+    # A NaN max is torch's: ``amax`` returns the default quiet NaN whatever the payload (the
+    # GPU's division makes any NaN canonical anyway; the interpreter's would keep the payload).
+    amax_bits = tl.where(amax_bits > 0x7F800000, 0x7FC00000, amax_bits)
+    m = amax_bits.to(tl.float32, bitcast=True)
+    return tl.math.div_rn(m, tl.full(m.shape, Q, tl.float32))
+
+
+@triton.jit
+def _quantize(y, s, WIDTH: tl.constexpr):
+    """``q = clamp(round_half_even(y / s), -Q, Q)``, ``+0`` where ``s`` is 0 or not finite."""
+    QF: tl.constexpr = ((1 << (WIDTH - 1)) - 1) * 1.0
+    usable = _is_finite(s) & (s > 0)
+    d = tl.full(y.shape, 1.0, tl.float32)
+    d = tl.where(usable, s, d)
+    v = tl.math.div_rn(y, d)
+    v = tl.minimum(tl.maximum(v, -QF), QF)
+    r = (v + _ROUND_MAGIC) - _ROUND_MAGIC
+    r = tl.where(r == 0.0, v * 0.0, r)  # rint keeps the sign: round(-0.3) = -0.0
+    return tl.where(usable, r, 0.0)
+
+
+@triton.jit
+def _pack_codes(q, WIDTH: tl.constexpr):
+    """``[B, PER]`` levels -> ``[B]`` uint8 codes ``q + Q``, element 0 in the high bits."""
+    Q: tl.constexpr = (1 << (WIDTH - 1)) - 1
+    PER: tl.constexpr = 8 // WIDTH
+    shifts = (PER - 1 - tl.arange(0, PER)) * WIDTH
+    codes = (q + Q).to(tl.int32)  # exact: an integer in [0, 2Q]
+    # At most 255, so the final cast is exact (see _pack_bytes).
+    return tl.sum(codes << shifts[None, :], axis=1).to(tl.uint8)
+
+
+@triton.jit
+def _unpack_codes(packed, WIDTH: tl.constexpr):
+    """``[B]`` uint8 -> ``[B, PER]`` int32 codes (``0 .. 2^WIDTH - 1``), element 0 from the high bits."""
+    PER: tl.constexpr = 8 // WIDTH
+    shifts = (PER - 1 - tl.arange(0, PER)) * WIDTH
+    return (packed.to(tl.int32)[:, None] >> shifts[None, :]) & ((1 << WIDTH) - 1)
+
+
+@triton.jit
+def _qmean(codes_ptr, scales_ptr, stride, p, byte, byte_ok, n, row_bytes, WIDTH: tl.constexpr,
+           BLOCK: tl.constexpr):
+    """``a = (Σ_i s_i·q_i) / n`` on one tile, in rank order; ``s_i = scales[i·stride + p]``."""
+    Q: tl.constexpr = (1 << (WIDTH - 1)) - 1
+    PER: tl.constexpr = 8 // WIDTH
+    acc = tl.zeros([BLOCK // PER, PER], dtype=tl.float32)
+    row_ptr = codes_ptr + byte  # pointer walk: 64-bit, as in _server_mean
+    for i in range(n):
+        packed = tl.load(row_ptr, mask=byte_ok, other=0)
+        s = tl.load(scales_ptr + i * stride + p)
+        acc += s * (_unpack_codes(packed, WIDTH).to(tl.float32) - Q)
+        row_ptr += row_bytes
+    return tl.math.div_rn(acc, tl.full(acc.shape, n, tl.float32))
+
+
+@triton.jit
+def _qz(codes_ptr, scales_ptr, stride, p, serr_ptr, byte, elem, byte_ok, n, row_bytes,
+        WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """``z = a + ē`` on one tile (lanes outside the chunk are garbage: mask them)."""
+    a = _qmean(codes_ptr, scales_ptr, stride, p, byte, byte_ok, n, row_bytes, WIDTH, BLOCK)
+    return a + tl.load(serr_ptr + elem, mask=byte_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _qpack_store(y, s, all_finite, codes_ptr, err_ptr, byte, elem, byte_ok, WIDTH: tl.constexpr):
+    """Store the codes of ``y`` at scale ``s``; ``error = y - s·q`` where ``all_finite``."""
+    q = _quantize(y, s, WIDTH)
+    tl.store(codes_ptr + byte, _pack_codes(q, WIDTH), mask=byte_ok)
+    tl.store(err_ptr + elem, y - s * q, mask=_and_flag(byte_ok[:, None], all_finite))
+
+
+@triton.jit
+def _qunpack_store(codes_ptr, table_ptr, out_ptr, row, byte, elem, byte_ok, numel, WIDTH: tl.constexpr):
+    """``out = table[row, code]``: the table holds ``s_row·(c - Q)`` for every code ``c``, already in
+    ``out``'s dtype (so the kernel converts nothing, as :func:`_unpack_scaled_kernel`)."""
+    packed = tl.load(codes_ptr + byte, mask=byte_ok, other=0)
+    idx = row * (1 << WIDTH) + _unpack_codes(packed, WIDTH)
+    ok = byte_ok[:, None] & (elem < numel)
+    tl.store(out_ptr + elem, tl.load(table_ptr + idx, mask=ok, other=0.0), mask=ok)
+
+
+@triton.jit
+def _qscale_kernel(partial_ptr, out_ptr, count, WIDTH: tl.constexpr, R: tl.constexpr):
+    """``out = max(partials) / Q``: one program, the int32 max of the ``count`` partials."""
+    acc = tl.zeros([R], dtype=tl.int32)
+    for i in range(0, count, R):
+        k = i + tl.arange(0, R)
+        acc = tl.maximum(acc, tl.load(partial_ptr + k, mask=k < count, other=0))
+    tl.store(out_ptr, _amax_to_scale(tl.max(acc, axis=0), WIDTH))
+
+
+@triton.jit
+def _qworker_amax_kernel(x_ptr, err_ptr, partial_ptr, N, L, BLOCK: tl.constexpr):
+    """Pass 1 (read only): ``partial[pid] = max |x + e|`` (int32 bits) over this program's block."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    e = tl.load(err_ptr + offs, mask=offs < L, other=0.0)
+    tl.store(partial_ptr + pid, tl.max(_abs_bits(x + e), axis=0))  # padding: |0| = bits 0
+
+
+@triton.jit
+def _qworker_pack_kernel(
+    x_ptr, err_ptr, scales_ptr, codes_ptr, N, L, n, rank, N_PAD: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Pass 2: codes of ``y = x + e`` at ``s = scales[rank]``; ``e = y - s·q`` if all scales are finite."""
+    byte, elem = _qtile(WIDTH, BLOCK)
+    PER: tl.constexpr = 8 // WIDTH
+    in_range = elem < L
+    x = tl.load(x_ptr + elem, mask=elem < N, other=0.0).to(tl.float32)
+    e = tl.load(err_ptr + elem, mask=in_range, other=0.0)
+    k = tl.arange(0, N_PAD)
+    scales = tl.load(scales_ptr + k, mask=k < n, other=0.0)
+    all_finite = tl.sum((~_is_finite(scales)).to(tl.int32), axis=0) == 0
+    s = tl.load(scales_ptr + rank)
+    _qpack_store(x + e, s, all_finite, codes_ptr, err_ptr, byte, elem, byte < L // PER, WIDTH)
+
+
+@triton.jit
+def _qserver_average_kernel(codes_ptr, scales_ptr, out_ptr, n, row_bytes, WIDTH: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """``out = (Σ_i s_i·q_i) / n`` (only :func:`qserver_average` needs it materialised)."""
+    byte, elem = _qtile(WIDTH, BLOCK)
+    byte_ok = byte < row_bytes
+    a = _qmean(codes_ptr, scales_ptr, 1, 0, byte, byte_ok, n, row_bytes, WIDTH, BLOCK)
+    tl.store(out_ptr + elem, a, mask=byte_ok[:, None])
+
+
+@triton.jit
+def _qserver_amax_kernel(codes_ptr, scales_ptr, serr_ptr, partial_ptr, n, row_bytes, WIDTH: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Server pass 1 (read only): ``partial[pid] = max |z|`` (int32 bits) over this program's block."""
+    byte, elem = _qtile(WIDTH, BLOCK)
+    byte_ok = byte < row_bytes
+    z = _qz(codes_ptr, scales_ptr, 1, 0, serr_ptr, byte, elem, byte_ok, n, row_bytes, WIDTH, BLOCK)
+    bits = tl.where(byte_ok[:, None], _abs_bits(z), 0)
+    tl.store(partial_ptr + tl.program_id(0).to(tl.int64), tl.max(tl.max(bits, axis=1), axis=0))
+
+
+@triton.jit
+def _qserver_pack_kernel(codes_ptr, scales_ptr, serr_ptr, t_ptr, out_ptr, n, row_bytes, WIDTH: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Server pass 2: codes of ``z`` at ``t``; ``ē = z - t·q`` only if ``t`` is finite."""
+    byte, elem = _qtile(WIDTH, BLOCK)
+    byte_ok = byte < row_bytes
+    z = _qz(codes_ptr, scales_ptr, 1, 0, serr_ptr, byte, elem, byte_ok, n, row_bytes, WIDTH, BLOCK)
+    t = tl.load(t_ptr)
+    _qpack_store(z, t, _is_finite(t), out_ptr, serr_ptr, byte, elem, byte_ok, WIDTH)
+
+
+@triton.jit
+def _qunpack_kernel(codes_ptr, table_ptr, out_ptr, numel, row_bytes, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[k] = s_j·q_k`` (``j = k // C``) for ``k < numel``, from the per-row table of values
+    (see :func:`_qunpack_store`); a 1-D grid over bytes, as :func:`_unpack_scaled_kernel`."""
+    byte, elem = _qtile(WIDTH, BLOCK)
+    PER: tl.constexpr = 8 // WIDTH
+    row = (byte // row_bytes)[:, None]
+    _qunpack_store(codes_ptr, table_ptr, out_ptr, row, byte, elem, byte * PER < numel, numel, WIDTH)

@@ -3,7 +3,8 @@
     python tests/kernels/aot_compile.py 80 90      # prints one line per kernel and target; exit 1 on a failure
 
 The kernels are launched exactly as :func:`hf_onebit.kernels.selftest.self_test` launches them
-(every wrapper, fp32/bf16/fp16 inputs, one scale per chunk and pieces), with the launch caught
+(every wrapper, 1-bit and b-bit at both widths, fp32/bf16/fp16 inputs, one scale per chunk and
+pieces), with the launch caught
 before it reaches a driver: each caught launch gives the kernel, its argument types, its
 ``constexpr`` values and its launch options, which are compiled with ``triton.compile`` for
 ``GPUTarget("cuda", sm, 32)`` down to a cubin (PTX, then the ptxas Triton ships). Run without
@@ -70,7 +71,7 @@ def caught_launches() -> dict:
     try:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for bounds in (None, "pieces"):
-                selftest._run(backend, torch.device("cpu"), dtype, bounds)
+                selftest._everything(backend, torch.device("cpu"), dtype, bounds)  # 1-bit and b-bit
     finally:
         JITFunction.run = real
     return launches
