@@ -42,6 +42,25 @@ elements) one tensor, and gets its own scale on both sides::
 Error buffers keep their shapes. If any rank's piece scale is non-finite, every rank replaces
 all gathered worker scales with NaN before use, so (as with one scale) no error buffer changes
 anywhere and the whole result is NaN on every rank.
+
+``width`` bits per element (spec §1b, ``__call__(x, width=8)`` or ``width=4``): the same three
+rounds and the same error feedback, with the compressor ``Q_b(y) = s·q``, ``s = max|y| / Q``,
+``q = round(y / s)`` in ``[-Q, Q]``, ``Q = 2^(b-1) - 1``, in place of ``RMS·sign⁺``; codes of
+``b`` bits travel where signs did (the layout is :mod:`hf_onebit.kernels.reference`'s)::
+
+    round 1  all-gather   s_i[p] = max|x_i + e_i| / Q over piece p        4·P bytes per rank
+             codes_i = q(y, s_i);  e_i = y - s_i·q                       (worker error feedback)
+    round 2  all-to-all   chunk j of codes_i -> rank j                    b·L/8 bytes per rank
+             a = mean_i s_i·q_i;  z = a + ē_j;  t = max|z| / Q;  ē_j = z - t·q(z, t)
+    round 3  all-gather   [t of chunk j's pieces | codes]                 4·P_max + b·C/8 bytes
+             result = concat_j t_j·q_j
+
+It serves the exchanges that the papers make at full precision (the warmups), where Adam's
+variance needs the gradient's magnitudes, which 1 bit does not carry. The error buffers are the
+1-bit exchange's own: one segment keeps one pair, whatever the width of a call, because an error
+buffer is the part of the signal not yet sent, in the buffer's coordinates, whatever compressor
+left it. The optimizers zero them (:meth:`reset`) where the signal changes meaning (1-bit Adam's
+warmup sends gradients, its compression phase momenta).
 """
 
 from __future__ import annotations
@@ -56,6 +75,7 @@ from hf_onebit.comm.compat import all_gather_into_tensor
 from hf_onebit.comm.executor import executor_for
 from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
 from hf_onebit.kernels import get_backend, load_backend
+from hf_onebit.kernels.contract import WIDTHS
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +188,8 @@ class CompressedAllReduce:
         if deferred_commit:
             self._next_worker_error = torch.zeros_like(self.worker_error)
             self._next_server_error = torch.zeros_like(self.server_error)
+        #: work buffers of the b-bit exchange, by width, made on its first call (see :meth:`reset`)
+        self._coded: dict[int, dict[str, torch.Tensor]] = {}
 
     def _setup_pieces(self, bounds: list[int]) -> None:
         """Static piece layout and the work buffers its scales need."""
@@ -194,12 +216,15 @@ class CompressedAllReduce:
         self._gathered_scales = torch.empty(n, head, **u8)
 
     # ------------------------------------------------------------------ the algorithm
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *, width: int = 1) -> torch.Tensor:
         """Blocking compressed all-reduce of ``x`` (any float dtype); returns ``out`` (default ``x``).
 
-        Call it from the group's executor (as :meth:`allreduce_async` and :meth:`allreduce` do)
-        when other hf_onebit collectives may be in flight on the same group.
+        ``width``: bits per element, 1 (spec §1, signs) or 8 or 4 (spec §1b, codes). Call it from
+        the group's executor (as :meth:`allreduce_async` and :meth:`allreduce` do) when other
+        hf_onebit collectives may be in flight on the same group.
         """
+        if type(width) is not int or width not in (1, *WIDTHS):
+            raise ValueError(f"width must be 1 or one of {WIDTHS} bits, got {width!r}")
         if x.numel() != self.numel:
             raise ValueError(f"this state compresses {self.numel} elements, got a buffer of {x.numel()}")
         out = x if out is None else out
@@ -217,6 +242,10 @@ class CompressedAllReduce:
             server_error = self._next_server_error.copy_(self.server_error)
             self._uncommitted = True
 
+        if width != 1:
+            self._call_coded(x, out, worker_error, server_error, width)
+            self.stats.record(self.bytes_per_call(width))
+            return out
         if self._bounds is not None:
             self._call_pieces(x, out, worker_error, server_error)
             self.stats.record(self.bytes_per_call())
@@ -276,16 +305,73 @@ class CompressedAllReduce:
         server_scales = self._gathered_scales.view(torch.float32).reshape(-1)[self._gather_index]
         k.unpack_scaled(self._gathered_bits, server_scales, out.view(-1), bounds=bounds)
 
-    def bytes_per_call(self) -> CommRecord:
-        """What one call sends and receives on this rank (see :mod:`hf_onebit.comm.stats`)."""
+    def _coded_buffers(self, width: int) -> dict[str, torch.Tensor]:
+        """The b-bit exchange's work buffers for ``width`` (made once; :meth:`reset` frees them)."""
+        bufs = self._coded.get(width)
+        if bufs is None:
+            n, C = self.world_size, self.chunk
+            u8 = dict(dtype=torch.uint8, device=self.device)
+            head = 4 * (self.max_chunk_pieces if self._bounds is not None else 1)
+            row = head + C * width // 8
+            bufs = self._coded[width] = dict(
+                send=torch.empty(self.padded_numel * width // 8, **u8),
+                recv=torch.empty(self.padded_numel * width // 8, **u8),
+                payload=torch.zeros(row, **u8),
+                gathered=torch.empty(n * row, **u8),
+                codes=torch.empty(n, C * width // 8, **u8),
+                scales=torch.empty(n, head, **u8),
+            )
+        return bufs
+
+    def _call_coded(self, x, out, worker_error, server_error, width: int) -> None:
+        """The three rounds at ``width`` bits per element (spec §1b; see the module docstring)."""
+        k, n, group = self.kernels, self.world_size, self.group
+        bufs = self._coded_buffers(width)
+        pieces = self._bounds is not None
+        bounds, local = (self._bounds, self._local_bounds) if pieces else (None, None)
+
+        # Round 1: every rank's scales (one, or one per piece); one non-finite scale anywhere
+        # poisons them all, so no error buffer changes on any rank and the result is NaN everywhere.
+        own = k.qworker_scale(x, worker_error, width=width, bounds=bounds)
+        all_gather_into_tensor(self._scales, own.reshape(-1), group=group)
+        scales = self._scales.view(n, -1)
+        scales = torch.where(torch.isfinite(scales).all(), scales, torch.full_like(scales, float("nan")))
+        k.qworker_pack(x, worker_error, scales if pieces else scales.reshape(n), self.rank, bufs["send"],
+                       width=width, bounds=bounds)
+
+        # Round 2: codes to their servers; this rank serves chunk `rank` (its pieces).
+        dist.all_to_all_single(bufs["recv"], bufs["send"], group=group)
+        recv = bufs["recv"].view(n, -1)
+        if pieces:
+            lo, hi = self._chunk_pieces[self.rank]
+            chunk_scales = scales[:, lo:hi].contiguous()
+        else:
+            lo, hi, chunk_scales = 0, 1, scales.reshape(n)
+        t = k.qserver_scale(recv, chunk_scales, server_error, width=width, bounds=local)
+        head = bufs["scales"].shape[1]
+        bufs["payload"][: 4 * (hi - lo)].view(torch.float32).copy_(t.reshape(-1))
+        k.qserver_pack(recv, chunk_scales, server_error, t, bufs["payload"][head:], width=width, bounds=local)
+
+        # Round 3: every server's scales and codes go to every rank.
+        all_gather_into_tensor(bufs["gathered"], bufs["payload"], group=group)
+        rows = bufs["gathered"].view(n, -1)
+        bufs["scales"].copy_(rows[:, :head])
+        bufs["codes"].copy_(rows[:, head:])
+        gathered = bufs["scales"].view(torch.float32)
+        server_scales = gathered.reshape(-1)[self._gather_index] if pieces else gathered.reshape(n)
+        k.qunpack_scaled(bufs["codes"], server_scales, out.view(-1), width=width, bounds=bounds)
+
+    def bytes_per_call(self, width: int = 1) -> CommRecord:
+        """What one call at ``width`` bits per element sends and receives on this rank (see
+        :mod:`hf_onebit.comm.stats`)."""
         n = self.world_size
         if n == 1:
             return CommRecord(calls=1)
         worker_scales = self.num_pieces if self._bounds is not None else 1
         server_scales = self.max_chunk_pieces if self._bounds is not None else 1
         scales = (n - 1) * 4 * worker_scales
-        signs = (n - 1) * (self.chunk // 8)
-        payload = (n - 1) * (4 * server_scales + self.chunk // 8)
+        signs = (n - 1) * (self.chunk * width // 8)
+        payload = (n - 1) * (4 * server_scales + self.chunk * width // 8)
         moved = scales + signs + payload
         return CommRecord(
             bytes_sent=moved,
@@ -296,13 +382,14 @@ class CompressedAllReduce:
         )
 
     # ------------------------------------------------------------------ entry points
-    def allreduce_async(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.futures.Future:
+    def allreduce_async(self, x: torch.Tensor, out: torch.Tensor | None = None, *,
+                        width: int = 1) -> torch.futures.Future:
         """Queue the call on the group's ordered executor; the future's value is ``out``."""
-        return executor_for(self.group, self.device).submit(lambda: self(x, out))
+        return executor_for(self.group, self.device).submit(lambda: self(x, out, width=width))
 
-    def allreduce(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def allreduce(self, x: torch.Tensor, out: torch.Tensor | None = None, *, width: int = 1) -> torch.Tensor:
         """Blocking call, ordered after every hf_onebit collective already queued on the group."""
-        return self.allreduce_async(x, out).wait()
+        return self.allreduce_async(x, out, width=width).wait()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -355,6 +442,10 @@ class CompressedAllReduce:
             self._uncommitted = False
 
     def reset(self) -> None:
-        """Zero both error buffers (0/1 Adam does this when it enters its local-step phase)."""
+        """Zero both error buffers, where the exchanged signal changes meaning: 0/1 Adam entering
+        its local-step phase, 1-bit Adam and 1-bit LAMB leaving a b-bit warmup. The b-bit work
+        buffers are freed too (every b-bit exchange comes before such a reset; a later one makes
+        them again)."""
         self.worker_error.zero_()
         self.server_error.zero_()
+        self._coded.clear()

@@ -114,9 +114,10 @@ class HierarchicalCompressedAllReduce:
         self._mine = torch.empty(self.shard + 1, **f32)
         self._gathered = torch.empty(k * self.shard, **f32)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *, width: int = 1) -> torch.Tensor:
         """Blocking node-wise compressed all-reduce of ``x`` (any float dtype); returns ``out``
-        (default ``x``). Call it from the group's executor, as the flat one."""
+        (default ``x``). ``width``: bits per element between nodes (1, 8 or 4, as for the flat
+        exchange). Call it from the group's executor, as the flat one."""
         if x.numel() != self.numel:
             raise ValueError(f"this state compresses {self.numel} elements, got a buffer of {x.numel()}")
         out = x if out is None else out
@@ -139,21 +140,21 @@ class HierarchicalCompressedAllReduce:
         shard.masked_fill_(torch.isnan(self._mine[S]), float("nan"))  # a rank of this node was non-finite
 
         # Rounds 2-4: this shard's 1-bit exchange with the same shard of every other node.
-        self.inner(shard)
+        self.inner(shard, width=width)
 
         # Round 5: every rank of the node gets every shard.
         all_gather_into_tensor(self._gathered, shard, group=topo.node_group)
         out.view(-1).copy_(self._gathered[: self.numel])
-        inter = self.inner.bytes_per_call()
-        self.stats.record(self.bytes_per_call())
+        inter = self.inner.bytes_per_call(width)
+        self.stats.record(self.bytes_per_call(width))
         self.inter_node_stats.record(CommRecord(inter.bytes_sent, inter.bytes_received, inter.rounds,
                                                 allreduce_bytes(4 * self.numel, self.world_size), 1))
         return out
 
-    def bytes_per_call(self) -> CommRecord:
+    def bytes_per_call(self, width: int = 1) -> CommRecord:
         """What one call sends and receives on this rank, inside the node and between nodes."""
         k, S = self.nodes.local_size, self.shard
-        inter = self.inner.bytes_per_call()
+        inter = self.inner.bytes_per_call(width)
         intra = (k - 1) * 4 * (S + 1) + (k - 1) * 4 * S  # reduce-scatter, all-gather
         return CommRecord(
             bytes_sent=intra + inter.bytes_sent,
@@ -163,13 +164,14 @@ class HierarchicalCompressedAllReduce:
             calls=1,
         )
 
-    def allreduce_async(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.futures.Future:
+    def allreduce_async(self, x: torch.Tensor, out: torch.Tensor | None = None, *,
+                        width: int = 1) -> torch.futures.Future:
         """Queue the call on the default group's ordered executor (the node groups are subgroups of it)."""
-        return executor_for(None, self.device).submit(lambda: self(x, out))
+        return executor_for(None, self.device).submit(lambda: self(x, out, width=width))
 
-    def allreduce(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def allreduce(self, x: torch.Tensor, out: torch.Tensor | None = None, *, width: int = 1) -> torch.Tensor:
         """Blocking call, ordered after every hf_onebit collective already queued on the group."""
-        return self.allreduce_async(x, out).wait()
+        return self.allreduce_async(x, out, width=width).wait()
 
     # ------------------------------------------------------------------ state
     def layout(self) -> tuple[int, int]:

@@ -48,6 +48,7 @@ def compress_bucket(opt: OneBitOptimizer, call, segments: list[Segment]) -> torc
     values are bitwise those of a host-side scale.
     """
     plan, params, buffer, grads, scale = call.plan, call.params, call.buffer, call.grads, call.scale
+    width = opt.exchange_width(plan)
     inv = None if scale is None else torch.reciprocal(scale.to(torch.float64))
     all_params = opt.params_in_order()
     seg0 = segments[0]
@@ -63,7 +64,7 @@ def compress_bucket(opt: OneBitOptimizer, call, segments: list[Segment]) -> torc
         # The bucket is the segment: prepare, compress and finish in the bucket's own buffer.
         for p, g in zip(params, grads):
             opt.prepare_send(plan, p, g, g.reshape(-1), inv)
-        seg0.comm(buffer)
+        seg0.comm(buffer, width=width)
         for p, g in zip(params, grads):
             opt.finish_receive(plan, p, g.reshape(-1), g, scale)
         return buffer
@@ -72,7 +73,7 @@ def compress_bucket(opt: OneBitOptimizer, call, segments: list[Segment]) -> torc
         views = seg.views(all_params)
         for p, view in views:
             opt.prepare_send(plan, p, grads[position[id(p)]], view, inv)
-        seg.comm(seg.work)
+        seg.comm(seg.work, width=width)
         for p, view in views:
             opt.finish_receive(plan, p, view, grads[position[id(p)]], scale)
     return buffer

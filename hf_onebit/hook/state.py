@@ -198,7 +198,7 @@ class OneBitHookState:
         if plan is Plan.ALLREDUCE:
             mean = MeanAllReduce(self.process_group, opt.comm_stats)
             return self.submit(buffer.device, self._with_context(t, plan, lambda: mean(buffer)))
-        if plan in (Plan.COMPRESS_MOMENTUM, Plan.COMPRESS_GRADIENT):
+        if plan in (Plan.COMPRESS_MOMENTUM, Plan.COMPRESS_GRADIENT, Plan.QUANTIZE_GRADIENT):
             segments = opt.segments.for_bucket(key, buffer.device)
             job = lambda: self._noted(call, compress_bucket(opt, call, segments))  # noqa: E731
             return self.submit(buffer.device, self._with_context(t, plan, job))
