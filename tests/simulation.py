@@ -182,6 +182,121 @@ class NodeSpecSimulation:
         return result[: self.numel]
 
 
+class QuantizedSpecSimulation:
+    """Spec §1b, the b-bit exchange of ``n`` workers in one process (``width`` 8 or 4).
+
+    ``Q_b(y) = s·q``: ``s = max|y| / (2^(b-1) - 1)`` in fp32, ``q = rint(y / s)`` clipped to
+    ``±(2^(b-1) - 1)``, ``q = 0`` where ``s`` is 0 or not finite. Worker ``i`` keeps one scale for
+    its whole buffer, server ``j`` one for its chunk; with ``tensor_sizes`` both keep one per piece
+    (cut as :class:`PieceSpecSimulation` cuts). Server ``j`` averages ``s_i·q_i`` in rank order
+    (products rounded to fp32 before the sum). A non-finite worker scale anywhere makes the whole
+    result NaN and leaves every error as it was.
+    """
+
+    def __init__(self, numel: int, n: int, width: int, tensor_sizes: list[int] | None = None) -> None:
+        self.n, self.numel, self.Q = n, numel, np.float32(2 ** (width - 1) - 1)
+        unit = 8 * n
+        self.L = -(-numel // unit) * unit
+        self.C = self.L // n
+        chunks = {j * self.C for j in range(n + 1)}
+        if tensor_sizes is None:
+            worker_cuts, server_cuts = [0, self.L], sorted(chunks)
+        else:
+            assert sum(tensor_sizes) == numel
+            ends = np.cumsum(np.asarray(tensor_sizes, dtype=np.int64))[:-1]
+            worker_cuts = server_cuts = sorted(set((ends - ends % 8).tolist()) | chunks)
+        self.worker_cuts, self.server_cuts = worker_cuts, server_cuts
+        self.worker_error = [np.zeros(self.L, np.float32) for _ in range(n)]
+        self.server_error = [np.zeros(self.C, np.float32) for _ in range(n)]
+
+    def _scales(self, y: np.ndarray, cuts: list[int], offset: int = 0) -> np.ndarray:
+        """Per-element ``max|y| / Q`` over the piece of each element (``y`` starts at ``offset``)."""
+        out = np.zeros(y.size, np.float32)
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            lo, hi = max(lo - offset, 0), min(hi - offset, y.size)
+            if hi > lo:
+                out[lo:hi] = np.float32(np.max(np.abs(y[lo:hi]))) / self.Q
+        return out
+
+    def _levels(self, y: np.ndarray, s: np.ndarray) -> np.ndarray:
+        usable = np.isfinite(s) & (s > 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.clip(np.rint(y / np.where(usable, s, np.float32(1))), -self.Q, self.Q)
+        return np.where(usable, q, np.float32(0)).astype(np.float32)
+
+    def step(self, xs: list[np.ndarray]) -> np.ndarray:
+        n, C = self.n, self.C
+        ys, scales = [], []
+        for i, x in enumerate(xs):
+            y = np.zeros(self.L, np.float32)
+            y[: x.size] = x
+            ys.append((y + self.worker_error[i]).astype(np.float32))
+            scales.append(self._scales(ys[-1], self.worker_cuts))
+        if not all(np.isfinite(s).all() for s in scales):
+            return np.full(self.numel, np.nan, np.float32)
+        levels = [self._levels(y, s) for y, s in zip(ys, scales)]
+        for i in range(n):
+            self.worker_error[i] = (ys[i] - (scales[i] * levels[i]).astype(np.float32)).astype(np.float32)
+        result = np.zeros(self.L, np.float32)
+        for j in range(n):
+            part = slice(j * C, (j + 1) * C)
+            acc = np.zeros(C, np.float32)
+            for i in range(n):
+                acc = (acc + (scales[i][part] * levels[i][part]).astype(np.float32)).astype(np.float32)
+            z = ((acc / np.float32(n)).astype(np.float32) + self.server_error[j]).astype(np.float32)
+            t = self._scales(z, self.server_cuts, j * C)
+            rebuilt = (t * self._levels(z, t)).astype(np.float32)
+            if np.isfinite(t).all():
+                self.server_error[j] = (z - rebuilt).astype(np.float32)
+            result[part] = rebuilt
+        return result[: self.numel]
+
+
+class WarmupExchange:
+    """The averaged gradient of a warmup step (the exchanges the spec makes at full precision).
+
+    ``bits=None``: the exact mean. Else spec §1b (:class:`QuantizedSpecSimulation`) per DDP bucket
+    of ``layouts[t - 1]`` (the bucket keys of step ``t``), with error state per segment kept as
+    ``hf_onebit.comm.segments`` keeps it: a key seen for the first time starts from zero errors
+    and replaces every segment it overlaps. ``one_bit``: the 1-bit exchanges of 0/1 Adam by
+    segment key, whose error buffers a b-bit call of the same key shares (both carry the
+    gradient's residual). :meth:`clear` forgets every segment (1-bit Adam's and LAMB's freeze).
+    """
+
+    def __init__(self, sizes, n, bits=None, layouts=None, scale_per_tensor=False, one_bit=None) -> None:
+        self.sizes, self.n, self.bits, self.layouts = sizes, n, bits, layouts
+        self.per_tensor, self.one_bit, self.by_key = scale_per_tensor, one_bit or {}, {}
+
+    def _exchange(self, key):
+        if key not in self.by_key:
+            for other in [k for k in self.by_key if set(k) & set(key)]:
+                del self.by_key[other]
+            sizes = [self.sizes[k] for k in key]
+            self.by_key[key] = QuantizedSpecSimulation(sum(sizes), self.n, self.bits,
+                                                       sizes if self.per_tensor else None)
+        q = self.by_key[key]
+        if key in self.one_bit:  # one pair of error buffers per segment, whatever the width
+            q.worker_error, q.server_error = self.one_bit[key].worker_error, self.one_bit[key].server_error
+        return q
+
+    def __call__(self, t, grads):  # grads[rank][param] -> averaged [param]
+        P = len(self.sizes)
+        if self.bits is None or self.n == 1:
+            return [np.mean([grads[r][k] for r in range(self.n)], axis=0).astype(np.float32) for k in range(P)]
+        out = [None] * P
+        for key in self.layouts[t - 1]:
+            key = tuple(key)
+            flat = [np.concatenate([grads[r][k].ravel() for k in key]) for r in range(self.n)]
+            avg, off = self._exchange(key).step(flat), 0
+            for k in key:
+                out[k] = avg[off: off + self.sizes[k]].reshape(grads[0][k].shape)
+                off += self.sizes[k]
+        return out
+
+    def clear(self) -> None:
+        self.by_key.clear()
+
+
 def exchange(numel: int, n: int, tensor_sizes: list[int] | None = None, nodes: tuple[int, int] | None = None):
     """The simulated exchange of one buffer of ``n`` workers: spec §1 (one scale per chunk, or per
     tensor piece with ``tensor_sizes``), or by node with ``nodes = (M, k)``."""
@@ -199,8 +314,12 @@ class OneBitAdamSimulation:
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
                  freeze_step=10, bias_correction=True, auto_mask=True, scale_per_tensor=False, update_clip=None,
-                 nodes=None):
+                 nodes=None, warmup_bits=None, warmup_layouts=None):
+        """``warmup_bits``, ``warmup_layouts``: the warmup's exchange (:class:`WarmupExchange`),
+        cleared at the freeze."""
         self.auto_mask, self.update_clip = auto_mask, update_clip
+        self.warmup = WarmupExchange([np.asarray(x).size for x in params], n, warmup_bits, warmup_layouts,
+                                     scale_per_tensor)
         self.p = [np.array(x, np.float32) for x in params]
         self.m = [np.zeros_like(x) for x in self.p]
         self.v = [np.zeros_like(x) for x in self.p]
@@ -216,8 +335,9 @@ class OneBitAdamSimulation:
         self.t += 1
         t, b1, b2 = self.t, np.float32(self.b1), np.float32(self.b2)
         if t <= self.F:
+            averaged = self.warmup(t, grads)
             for k in range(len(self.p)):
-                g = np.mean([grads[r][k] for r in range(self.n)], axis=0).astype(np.float32)
+                g = averaged[k]
                 self.m[k] = (b1 * self.m[k] + (1 - b1) * g).astype(np.float32)
                 self.v[k] = (b2 * self.v[k] + (1 - b2) * g * g).astype(np.float32)
                 self.seen[k] |= g != 0
@@ -250,4 +370,6 @@ class OneBitAdamSimulation:
                 root = np.maximum(root, np.abs(m_hat) / np.float32(self.update_clip))
             update = m_hat / (root + self.eps) + self.wd * self.p[k]
             self.p[k] = (self.p[k] - self.lr * update).astype(np.float32)
+        if t == self.F:
+            self.warmup.clear()  # the compression phase starts from zero errors
         return [x.copy() for x in self.p]

@@ -10,12 +10,12 @@ from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads
 
 
-def _grad_scaler_skip(rank, world_size, bad_step):
+def _grad_scaler_skip(rank, world_size, bad_step, warmup_bits=None):
     import hf_onebit
 
     torch.manual_seed(0)
     model = FixedGradModel()
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    opt = hf_onebit.OneBitAdam(model.parameters(), defaults="paper", lr=1e-2, freeze_step=3, warmup_bits=warmup_bits)
     ddp = DDP(model, bucket_cap_mb=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     hf_onebit.attach(ddp, opt, grad_scaler=scaler)
@@ -31,11 +31,14 @@ def _grad_scaler_skip(rank, world_size, bad_step):
         scaler.update()
         opt.zero_grad(set_to_none=True)
         after = opt.rank_state_dict()
+        # Segments of both: the same errors. A segment the step's bucket layout made (DDP's buckets
+        # change after the first step): still zero.
+        old, new = before["segments"], after["segments"]
         errors_same = all(
-            torch.equal(before["segments"][k]["worker_error"], after["segments"][k]["worker_error"])
-            and torch.equal(before["segments"][k]["server_error"], after["segments"][k]["server_error"])
-            for k in before["segments"]
-        )
+            torch.equal(old[k]["worker_error"], new[k]["worker_error"])
+            and torch.equal(old[k]["server_error"], new[k]["server_error"])
+            for k in old if k in new
+        ) and all(not new[k]["worker_error"].any() and not new[k]["server_error"].any() for k in new if k not in old)
         params_same = all(torch.equal(a, b) for a, b in zip(params_before, model.parameters()))
         report.append({
             "step": step, "steps_done": opt.steps_done, "errors_same": errors_same, "params_same": params_same,
@@ -44,14 +47,17 @@ def _grad_scaler_skip(rank, world_size, bad_step):
     return report
 
 
-@pytest.mark.parametrize("bad_step", [2, 6])  # warmup (full all-reduce), compression (1 bit)
-def test_grad_scaler_skips_everywhere_and_leaves_error_buffers_untouched(bad_step):
-    outs = run_distributed(_grad_scaler_skip, 2, bad_step)
+@pytest.mark.parametrize("bad_step,warmup_bits", [(2, None), (6, None), (2, 8)],
+                         ids=["warmup-fp32", "compression", "warmup-8bit"])
+def test_grad_scaler_skips_everywhere_and_leaves_error_buffers_untouched(bad_step, warmup_bits):
+    outs = run_distributed(_grad_scaler_skip, 2, bad_step, warmup_bits)
     for r in range(2):
         rows = {row["step"]: row for row in outs[r]}
         bad = rows[bad_step]
         assert bad["params_same"], "the step with a non-finite gradient must be skipped"
         assert bad["steps_done"] == rows[bad_step - 1]["steps_done"] if bad_step > 1 else 0
+        if warmup_bits is not None:  # the b-bit warmup keeps error buffers: the check must bite
+            assert bad["n_segments"] > 0
         if bad["n_segments"]:
             assert bad["errors_same"], "a skipped step changed an error buffer"
         # the next good step proceeds
@@ -69,7 +75,7 @@ def _accumulation(rank, world_size, misuse, scaler=False):
 
     torch.manual_seed(0)
     model = FixedGradModel()
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    opt = hf_onebit.OneBitAdam(model.parameters(), defaults="paper", lr=1e-2, freeze_step=2)
     ddp = DDP(model, bucket_cap_mb=0.01)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
     link = hf_onebit.attach(ddp, opt, grad_scaler=grad_scaler)
@@ -118,7 +124,7 @@ def _clip_and_autocast(rank, world_size):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    opt = hf_onebit.OneBitAdam(model.parameters(), defaults="paper", lr=1e-2, freeze_step=2)
     ddp = DDP(model)
     hf_onebit.attach(ddp, opt)
     g = torch.Generator().manual_seed(rank)
@@ -200,7 +206,7 @@ def test_world_size_one_runs_uncompressed_adam_with_frozen_variance():
 
     torch.manual_seed(0)
     a, b = FixedGradModel(), FixedGradModel()
-    opt = hf_onebit.OneBitAdam(a.parameters(), lr=1e-2, freeze_step=4, auto_mask=False)
+    opt = hf_onebit.OneBitAdam(a.parameters(), defaults="paper", lr=1e-2, freeze_step=4, auto_mask=False)
     m = [torch.zeros_like(p) for p in b.parameters()]
     v = [torch.zeros_like(p) for p in b.parameters()]
     for t in range(1, 11):
@@ -230,7 +236,7 @@ def _mismatched_hyperparameters(rank, world_size, what):
         kwargs["freeze_step"] = 7
     if what == "lr" and rank == 1:
         kwargs["lr"] = 2e-2
-    opt = hf_onebit.OneBitAdam(model.parameters(), **kwargs)
+    opt = hf_onebit.OneBitAdam(model.parameters(), **{"defaults": "paper", **kwargs})
     ddp = DDP(model, bucket_cap_mb=0.01)
     try:
         hf_onebit.attach(ddp, opt)
@@ -251,7 +257,7 @@ def _non_finite_without_scaler(rank, world_size, bad_step):
 
     torch.manual_seed(0)
     model = FixedGradModel()
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    opt = hf_onebit.OneBitAdam(model.parameters(), defaults="paper", lr=1e-2, freeze_step=3)
     ddp = DDP(model, bucket_cap_mb=0.01)
     hf_onebit.attach(ddp, opt)
     for step in range(1, 8):
@@ -284,7 +290,7 @@ def _local_phase_scaler_skip(rank, world_size):
 
     torch.manual_seed(0)
     model = FixedGradModel()
-    opt = hf_onebit.ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=2, local_step_scaler=100,
+    opt = hf_onebit.ZeroOneAdam(model.parameters(), defaults="paper", lr=1e-2, var_freeze_step=2, local_step_scaler=100,
                                 local_step_clipper=2)
     ddp = DDP(model, bucket_cap_mb=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
@@ -323,7 +329,7 @@ def _manual_skip(rank, world_size):
 
     torch.manual_seed(0)
     model = FixedGradModel()
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, check_finite=False)
+    opt = hf_onebit.OneBitAdam(model.parameters(), defaults="paper", lr=1e-2, freeze_step=2, check_finite=False)
     ddp = DDP(model, bucket_cap_mb=0.01)
     hf_onebit.attach(ddp, opt)
     skipped = []

@@ -31,6 +31,7 @@ class Plan(str, enum.Enum):
     """What one optimizer step needs from the network (see the module docstring)."""
 
     ALLREDUCE = "allreduce"
+    QUANTIZE_GRADIENT = "quantize_gradient"
     COMPRESS_MOMENTUM = "compress_momentum"
     COMPRESS_GRADIENT = "compress_gradient"
     LOCAL = "local"
@@ -81,6 +82,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self.link = None
         self._workspace = Workspace()  # the step's temporaries (see workspace.py)
         self.steps_done = 0  # optimizer steps completed (t of the last step)
+        self._step_plan: Plan | None = None  # the plan of the step under way (begin_step sets it)
         self.segments = SegmentRegistry(self._new_compressor)  # error state per group of parameters
         self._last_phase: str | None = None
         self._stats_at_last_step = CommRecord()
@@ -123,7 +125,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         passes a 0-dim tensor on the device, see :func:`hf_onebit.hook.buckets.compress_bucket`; never compare it
         with a number, which would wait for the device).
         """
-        if plan is Plan.COMPRESS_GRADIENT:
+        if plan in (Plan.COMPRESS_GRADIENT, Plan.QUANTIZE_GRADIENT):
             out.copy_(grad.reshape(-1))
             if inv_scale is not None:
                 out.mul_(inv_scale)
@@ -145,6 +147,20 @@ class OneBitOptimizer(torch.optim.Optimizer):
             torch.mul(result, scale, out=grad.view(-1))
         else:
             write_flat_(grad, torch.mul(result, scale))
+
+    #: Bits per element of the exchanges the papers make at full precision (the warmups):
+    #: ``None`` for the full-precision all-reduce (the spec), 8 or 4 for spec §1b's b-bit exchange
+    #: with error feedback. Set by the optimizers that have a warmup.
+    warmup_bits: int | None = None
+
+    def warmup_plan(self) -> Plan:
+        """The plan of a step that the papers exchange at full precision: ALLREDUCE, or
+        QUANTIZE_GRADIENT at :attr:`warmup_bits`."""
+        return Plan.ALLREDUCE if self.warmup_bits is None else Plan.QUANTIZE_GRADIENT
+
+    def exchange_width(self, plan: Plan) -> int:
+        """Bits per element of ``plan``'s compressed exchange (the hook passes it to the segment)."""
+        return self.warmup_bits if plan is Plan.QUANTIZE_GRADIENT else 1
 
     def global_state(self) -> dict:
         """Counters identical on every rank (saved in ``state_dict()``); extend in subclasses."""
@@ -275,6 +291,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """Commit this step's error buffers, advance counters, record traffic, log phase changes."""
         self.segments.commit()
         self.steps_done += 1
+        if self._step_plan is Plan.QUANTIZE_GRADIENT and self.plan() is Plan.COMPRESS_MOMENTUM:
+            # The b-bit warmup's errors are gradient residuals, the momentum exchange's would be
+            # momentum residuals: the compression phase starts from zero errors, as after a
+            # full-precision warmup, and its segments from the bucket layout it meets.
+            self.segments.clear()
         total = self.comm_stats.snapshot()
         self.last_step_comm, self._stats_at_last_step = total - self._stats_at_last_step, total
         phase = self.phase()
@@ -297,7 +318,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 loss = closure()
         guards.check_grads_exchanged(self, self.steps_done + 1)
         guards.check_finite_grads(self)
-        return loss, self.steps_done + 1, self.plan()
+        self._step_plan = self.plan()
+        return loss, self.steps_done + 1, self._step_plan
 
     def check_synced(self, t: int) -> bool:
         """Whether the hook communicated for step ``t``; raise if it should have and did not."""

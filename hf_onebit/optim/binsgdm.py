@@ -86,6 +86,7 @@ import torch
 from hf_onebit.comm.allreduce import finite_flag
 from hf_onebit.comm.vote import VoteAllGather
 from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
+from hf_onebit.optim.defaults import check_preset
 from hf_onebit.optim.tensors import write_flat_
 from hf_onebit.optim.validation import check_betas
 from hf_onebit.optim.vote_core import VoteLayout, build_layout, vote_threshold_, vote_update_
@@ -112,6 +113,8 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
             from it, so a resumed run continues the same random streams.
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
             any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
+        defaults: ``"library"`` or ``"paper"``, as for the other optimizers
+            (:mod:`hf_onebit.optim.defaults`); BinSGDM's library defaults are the paper's.
     """
 
     imports_adam_state = False  # its m, b are not Adam's moments
@@ -127,7 +130,9 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         hierarchical: bool | None = None,
         seed: int = 0,
         check_finite: bool = True,
+        defaults: str = "library",
     ) -> None:
+        check_preset(defaults)  # accepted by every optimizer; BinSGDM has no warmup to change
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) <= MASK64:
             raise ValueError(f"BinSGDM: seed must be an integer in [0, 2**64), got {seed!r}")
         defaults = dict(lr=lr, beta=beta, eps=eps, weight_decay=weight_decay)

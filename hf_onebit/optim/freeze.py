@@ -224,6 +224,34 @@ def _rms_estimates(variances: list[tuple[torch.Tensor, float]], updates: int,
     return [math.sqrt(s / n / (1 - b2**updates)) for s, n, (_, b2) in zip(sums.tolist(), sizes, kept) if n]
 
 
+#: The latest automatic freeze of a run whose length nobody gave (:meth:`FreezeSchedule.fit_to_run`).
+DEFAULT_MAX_STEP = 1000
+
+
+def run_length(scheduler) -> int | None:
+    """The number of steps a learning-rate scheduler plans for, or ``None`` if it does not say.
+
+    Read from torch's ``OneCycleLR`` (``total_steps``), ``CosineAnnealingLR`` (``T_max``),
+    ``PolynomialLR`` (``total_iters``), ``SequentialLR`` (its last milestone plus its last
+    scheduler's length) and the ``LambdaLR`` of transformers' ``get_*_schedule_with_warmup``
+    (their ``num_training_steps``).
+    """
+    for attribute in ("total_steps", "T_max"):
+        value = getattr(scheduler, attribute, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    if type(scheduler).__name__ == "PolynomialLR":
+        return int(scheduler.total_iters)
+    if type(scheduler).__name__ == "SequentialLR":
+        last = run_length(scheduler._schedulers[-1])
+        return None if last is None else int(scheduler._milestones[-1]) + last
+    for fn in getattr(scheduler, "lr_lambdas", ()):
+        value = getattr(fn, "keywords", {}).get("num_training_steps")  # a functools.partial
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 #: What the freeze step reads as while an automatic freeze has not chosen yet: a step no run
 #: reaches, so every ``t <= freeze_step`` test keeps answering "warmup".
 UNDECIDED = 2**62
@@ -247,11 +275,32 @@ class FreezeSchedule:
     _fixed_warmup_end: int = 0
     _freeze_name: str = "freeze_step"
 
-    def init_freeze(self, value, name: str) -> None:
-        """``value``: an integer >= 0, ``"auto"`` or an :class:`AutoFreeze`; ``name`` its keyword."""
+    def init_freeze(self, value, name: str, total_steps: int | None = None) -> None:
+        """``value``: an integer >= 0, ``"auto"`` or an :class:`AutoFreeze`; ``name`` its keyword;
+        ``total_steps``: the run's length, if known (see :meth:`fit_to_run`)."""
         self.auto_freeze = AutoFreeze.coerce(value, name)
         self._fixed_warmup_end = 0 if self.auto_freeze is not None else int(value)
         self._freeze_name = name
+        if total_steps is not None:
+            self.fit_to_run(total_steps)
+
+    def fit_to_run(self, run) -> bool:
+        """Fit a plain ``"auto"`` freeze's bounds to the run's length (:meth:`AutoFreeze.for_run`).
+
+        ``run``: the number of optimizer steps, or the run's learning-rate scheduler (whose length
+        :func:`run_length` reads). Returns whether the bounds changed: a fixed freeze step, bounds
+        the user chose and a decision already taken are kept. The HF integration calls it when
+        training starts; without it, the first step bounds the freeze at :data:`DEFAULT_MAX_STEP`.
+        """
+        total = run if isinstance(run, int) and not isinstance(run, bool) else run_length(run)
+        if total is None:
+            raise ValueError(
+                f"fit_to_run: cannot read a run length from {type(run).__name__}; pass the number of steps"
+                " (torch's OneCycleLR, CosineAnnealingLR, PolynomialLR, SequentialLR and transformers'"
+                " get_*_schedule_with_warmup are read)")
+        if total < 1:
+            raise ValueError(f"fit_to_run: the run must have at least one step, got {total}")
+        return self.auto_freeze is not None and self.auto_freeze.fit_to_run(total)
 
     @property
     def warmup_end(self) -> int:
@@ -272,6 +321,13 @@ class FreezeSchedule:
         auto = self.auto_freeze
         if auto is None or auto.chosen is not None:
             return
+        if auto.max_step is None:  # nobody told it the run's length: end within a bound all the same
+            auto.max_step = max(auto.min_step, DEFAULT_MAX_STEP)
+            if self.rank == 0:
+                logger.info(
+                    "hf_onebit %s: %s='auto' without the run's length: the warmup ends by step %d at the latest."
+                    " Pass total_steps=N to the constructor or call optimizer.fit_to_run(N or lr_scheduler)"
+                    " to fit it to the run", type(self).__name__, self._freeze_name, auto.max_step)
         shards = self.link.sum_over_shards if self.link is not None and self.link.sharded else None
         if auto.observe(step, updates, self._variance_tensors(), shards) and self.rank == 0:
             logger.warning("hf_onebit %s: %s; %s=%d", type(self).__name__, auto.describe(), self._freeze_name, step)

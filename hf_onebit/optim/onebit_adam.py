@@ -22,10 +22,12 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
+from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.tensors import update_in_fp32_
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
+from hf_onebit.optim.validation import check_warmup_bits
 from hf_onebit.optim.workspace import Workspace
 
 
@@ -90,6 +92,10 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             loss without the bound, and so did *uncompressed* Adam with the same frozen variance
             (+37%), so the frozen variance is the cause; with ``update_clip=1`` the compressed run
             ended at AdamW's loss. The HF integration passes 1.0.
+        warmup_bits: how the warmup exchanges the gradient: ``None`` (the spec) at full
+            precision, ``8`` or ``4`` with spec §1b's b-bit exchange and error feedback (``2·b/8``
+            bytes per element per rank instead of ``8``; Adam's moments are built from the
+            exchanged gradient). The error buffers are the compression phase's, zeroed at the freeze.
     """
 
     def __init__(
@@ -99,18 +105,26 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int | str | AutoFreeze = 100000,
+        freeze_step: int | str | AutoFreeze = LIBRARY_DEFAULT,
         bias_correction: bool = True,
         auto_mask: bool = True,
-        scale_per_tensor: bool = False,
+        scale_per_tensor: bool = LIBRARY_DEFAULT,
         check_finite: bool = True,
-        update_clip: float | None = None,
+        update_clip: float | None = LIBRARY_DEFAULT,
         hierarchical: bool | None = False,
+        warmup_bits: int | None = LIBRARY_DEFAULT,
+        defaults: str = "library",
+        total_steps: int | None = None,
     ) -> None:
+        # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
+        freeze_step, scale_per_tensor, update_clip, warmup_bits = resolve_defaults(
+            "OneBitAdam", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip, warmup_bits=warmup_bits
+        ).values()
         self.update_clip = check_update_clip(update_clip)
-        self.init_freeze(freeze_step, "freeze_step")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
+        self.warmup_bits = check_warmup_bits(warmup_bits)
+        self.init_freeze(freeze_step, "freeze_step", total_steps)
+        group_defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, group_defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
                          hierarchical=hierarchical)
         self.auto_mask = auto_mask
         if not bias_correction:
@@ -123,7 +137,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         return self.warmup_end
 
     def plan(self) -> Plan:
-        return Plan.ALLREDUCE if self.steps_done + 1 <= self.freeze_step else Plan.COMPRESS_MOMENTUM
+        return self.warmup_plan() if self.steps_done + 1 <= self.freeze_step else Plan.COMPRESS_MOMENTUM
 
     def phase(self) -> str:
         return "warmup" if self.steps_done + 1 <= self.freeze_step else "compression"
@@ -151,17 +165,17 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss, t, plan = self.begin_step(closure)
-        synced = self.check_synced(t) if plan is Plan.COMPRESS_MOMENTUM else False
+        synced = self.check_synced(t) if plan is not Plan.ALLREDUCE else False  # b-bit warmups need the hook too
         if plan is Plan.COMPRESS_MOMENTUM and t == self.freeze_step + 1:
             self.freeze_masks()
         for p, grad, state, group in self.grads_in_order(self._init_state):
             beta1, beta2 = group["betas"]
             m, v = state["exp_avg"], state["exp_avg_sq"]
-            if plan is Plan.ALLREDUCE:
+            if plan is not Plan.COMPRESS_MOMENTUM:  # warmup: .grad is the averaged gradient
                 m.lerp_(grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 self.track_nonzero(state, grad)
-            elif synced:  # the hook delivered the averaged momentum in .grad
+            elif synced:  # compression: the hook delivered the averaged momentum in .grad
                 m.copy_(grad)
             else:  # one process: the momentum is local and exact
                 m.mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -178,7 +192,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 update_clip=self.update_clip if plan is Plan.COMPRESS_MOMENTUM else None,
                 workspace=self._workspace,
             )
-        if plan is Plan.ALLREDUCE:
+        if plan is not Plan.COMPRESS_MOMENTUM:
             self.observe_variance(t, t)
         self._after_step()
         return loss

@@ -11,10 +11,12 @@ from collections.abc import Sequence
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
+from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.tensors import logical, update_in_fp32_
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
+from hf_onebit.optim.validation import check_warmup_bits
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -116,6 +118,9 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             the 1-bit momentum is ``±scale`` would otherwise give that coordinate a step of
             ``scale/sqrt(v)``. The factor ``f`` still compares the unclipped ``sqrt(v)+eps`` with
             ``sqrt(v_fresh)+eps``. Not per group. The HF integration passes 1.0.
+        warmup_bits: how the warmup exchanges the gradient: ``None`` (the spec) at full
+            precision, ``8`` or ``4`` with spec §1b's b-bit exchange and error feedback (see
+            :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`).
     """
 
     def __init__(
@@ -125,7 +130,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int | str | AutoFreeze = 100000,
+        freeze_step: int | str | AutoFreeze = LIBRARY_DEFAULT,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
         coeff_beta: float = 0.9,
@@ -133,19 +138,27 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
         auto_mask: bool = True,
-        scale_per_tensor: bool = False,
+        scale_per_tensor: bool = LIBRARY_DEFAULT,
         check_finite: bool = True,
-        update_clip: float | None = None,
+        update_clip: float | None = LIBRARY_DEFAULT,
         hierarchical: bool | None = False,
+        warmup_bits: int | None = LIBRARY_DEFAULT,
+        defaults: str = "library",
+        total_steps: int | None = None,
     ) -> None:
-        self.init_freeze(freeze_step, "freeze_step")
+        # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
+        freeze_step, scale_per_tensor, update_clip, warmup_bits = resolve_defaults(
+            "OneBitLamb", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip, warmup_bits=warmup_bits
+        ).values()
+        self.init_freeze(freeze_step, "freeze_step", total_steps)
         self.update_clip = check_update_clip(update_clip)
-        defaults = dict(
+        self.warmup_bits = check_warmup_bits(warmup_bits)
+        group_defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, Sequence) else betas, eps=eps,
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
         )
-        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
+        super().__init__(params, group_defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
                          hierarchical=hierarchical)
         self.auto_mask = auto_mask
 
@@ -185,7 +198,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         return self.warmup_end
 
     def plan(self) -> Plan:
-        return Plan.ALLREDUCE if self.steps_done + 1 <= self.freeze_step else Plan.COMPRESS_MOMENTUM
+        return self.warmup_plan() if self.steps_done + 1 <= self.freeze_step else Plan.COMPRESS_MOMENTUM
 
     def phase(self) -> str:
         return "warmup" if self.steps_done + 1 <= self.freeze_step else "compression"
@@ -379,7 +392,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     def step(self, closure=None):
         loss, t, plan = self.begin_step(closure)
         compress = plan is Plan.COMPRESS_MOMENTUM
-        synced = self.check_synced(t) if compress else False
+        synced = self.check_synced(t) if plan is not Plan.ALLREDUCE else False  # b-bit warmups need the hook too
         if self.link is not None and self.link.sharded:
             self._sharded_step(compress, synced)
         else:

@@ -27,3 +27,14 @@ def check_bool(value: bool, name: str) -> None:
     """A switch: exactly ``True`` or ``False`` (a string such as ``"false"`` would be truthy)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_warmup_bits(value, name: str = "warmup_bits") -> int | None:
+    """``None`` (full precision) or a width of spec §1b's b-bit exchange (8 or 4)."""
+    from hf_onebit.kernels.contract import WIDTHS
+
+    if value is None:
+        return None
+    if type(value) is not int or value not in WIDTHS:  # neither True nor 8.0
+        raise ValueError(f"{name} must be None (full precision) or one of {WIDTHS} bits, got {value!r}")
+    return int(value)

@@ -29,12 +29,13 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
+from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.local_state import LocalPhaseState
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.tensors import update_in_fp32_
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_
-from hf_onebit.optim.validation import check_bool, check_positive_int
+from hf_onebit.optim.validation import check_bool, check_positive_int, check_warmup_bits
 
 
 class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
@@ -113,6 +114,9 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             ``-ū/λ`` is restored: as a decaying schedule takes ``λ`` towards 0 at the end of a
             run, the restored momentum becomes mostly compression residue. ``False`` (default):
             the spec.
+        warmup_bits: how the variance steps exchange the gradient: ``None`` (the spec) at full
+            precision, ``8`` or ``4`` with spec §1b's b-bit exchange, whose error feedback shares
+            the 1-bit steps' error buffers (both carry the gradient's residual).
 
     Phases and what each step communicates (``n`` ranks):
 
@@ -122,6 +126,9 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         -----------  -----------------------  -----------------  ------------------------------  ---------------------------
         variance     variance step:           ALLREDUCE          mean gradient, full precision   hook, during backward
                      t mod var_interval == 0                     (the gradient's dtype)
+                     (warmup_bits=b:          QUANTIZE_GRADIENT  gradient, b bits + error
+                     spec §1b)                                   feedback, the 1-bit steps'
+                                                                 error buffers)
         variance     1-bit step: otherwise    COMPRESS_GRADIENT  gradient, 1 bit + error         hook, during backward
                                                                  feedback, one buffer per
                                                                  DDP bucket
@@ -186,22 +193,30 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        var_freeze_step: int | str | AutoFreeze = 100000,
+        var_freeze_step: int | str | AutoFreeze = LIBRARY_DEFAULT,
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
         auto_mask: bool = True,
         bias_correction: bool = True,
-        scale_per_tensor: bool = False,
+        scale_per_tensor: bool = LIBRARY_DEFAULT,
         check_finite: bool = True,
-        update_clip: float | None = None,
-        clip_synced_momentum: bool = True,
+        update_clip: float | None = LIBRARY_DEFAULT,
+        clip_synced_momentum: bool = LIBRARY_DEFAULT,
         refresh_mask: bool = False,
         momentum_correction: bool = False,
         sync_in_momentum_units: bool = False,
         hierarchical: bool | None = False,
+        warmup_bits: int | None = LIBRARY_DEFAULT,
+        defaults: str = "library",
+        total_steps: int | None = None,
     ) -> None:
+        # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
+        var_freeze_step, scale_per_tensor, update_clip, clip_synced_momentum, warmup_bits = resolve_defaults(
+            "ZeroOneAdam", defaults, var_freeze_step=var_freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip, clip_synced_momentum=clip_synced_momentum, warmup_bits=warmup_bits
+        ).values()
         self.update_clip = check_update_clip(update_clip)
+        self.warmup_bits = check_warmup_bits(warmup_bits)
         for name, switch in (("clip_synced_momentum", clip_synced_momentum), ("refresh_mask", refresh_mask),
                              ("momentum_correction", momentum_correction),
                              ("sync_in_momentum_units", sync_in_momentum_units)):
@@ -210,12 +225,12 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         self.sync_in_momentum_units = sync_in_momentum_units
         self.refresh_mask = refresh_mask
         self.momentum_correction = momentum_correction
-        self.init_freeze(var_freeze_step, "var_freeze_step")
+        self.init_freeze(var_freeze_step, "var_freeze_step", total_steps)
         check_positive_int(var_update_scaler, "var_update_scaler")
         check_positive_int(local_step_scaler, "local_step_scaler")
         check_positive_int(local_step_clipper, "local_step_clipper")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
+        group_defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, group_defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
                          hierarchical=hierarchical)
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -256,7 +271,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
     def plan(self) -> Plan:
         t = self.steps_done + 1
         if t <= self.var_freeze_step:
-            return Plan.ALLREDUCE if t % self.var_interval == 0 else Plan.COMPRESS_GRADIENT
+            return self.warmup_plan() if t % self.var_interval == 0 else Plan.COMPRESS_GRADIENT
         return Plan.SYNC_AFTER_STEP if t % self.local_interval == 0 else Plan.LOCAL
 
     def phase(self) -> str:
@@ -322,8 +337,9 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             # Every other plan needs the hook: without it DDP would all-reduce at full precision
             # (1-bit steps: more traffic; local steps: not local at all).
             self.check_synced(t)
-        if plan is not Plan.ALLREDUCE and not self.masks_frozen:
-            # before the first compressing step: from the variance steps so far
+        if plan not in (Plan.ALLREDUCE, Plan.QUANTIZE_GRADIENT) and not self.masks_frozen:
+            # before the first 1-bit step: from the variance steps so far (a b-bit exchange
+            # leaves a zero gradient at exactly zero, 1 bit gives it ±scale)
             self.freeze_masks(keep_tracking=self.refresh_mask)
             self.masks_frozen = True
         if t <= self.var_freeze_step:
@@ -335,7 +351,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         return loss
 
     def _variance_phase_step(self, t: int, plan: Plan) -> None:
-        variance_step = plan is Plan.ALLREDUCE
+        variance_step = plan in (Plan.ALLREDUCE, Plan.QUANTIZE_GRADIENT)
         if variance_step:
             self.var_updates += 1  # counts this step's update, which the loop below applies first
         for p, grad, state, group in self.grads_in_order(self._init_state):

@@ -183,7 +183,7 @@ def _train_sharded(model, rank, steps):
 
     from tests.optim.harness import whole
 
-    opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM)
+    opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM, defaults="paper")
     hf_onebit.attach(model, opt)
     history = []
     for step in range(1, steps + 1):
@@ -232,7 +232,7 @@ def _auto_freeze_runs(rank, world_size, kwargs, steps):
         model = FixedGradModel()
         if sharded:
             fully_shard(model, mesh=hf_onebit.replica_mesh(2, "cpu")["shard"])
-        opt = hf_onebit.OneBitAdam(model.parameters(), **kwargs)
+        opt = hf_onebit.OneBitAdam(model.parameters(), **kwargs, defaults="paper")
         wrapped = model if sharded else DDP(model)
         hf_onebit.attach(wrapped, opt)
         for step in range(1, steps + 1):
@@ -315,7 +315,7 @@ def _non_finite_on_one_shard(rank, world_size):
     torch.manual_seed(0)
     model = FixedGradModel()
     fully_shard(model, mesh=hf_onebit.replica_mesh(2, "cpu")["shard"])
-    opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM)
+    opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM, defaults="paper")
     hf_onebit.attach(model, opt)
     for step in range(1, 4):
         coeffs = fixed_grads(step, rank)
@@ -369,7 +369,7 @@ def _other_mesh(rank, world_size, save_dir):
 
     model = FixedGradModel()
     fully_shard(model, mesh=hf_onebit.replica_mesh(1, "cpu")["shard"])
-    opt = hf_onebit.OneBitAdam(model.parameters(), **kwargs)
+    opt = hf_onebit.OneBitAdam(model.parameters(), **kwargs, defaults="paper")
     opt.load_state_dict(torch.load(f"{save_dir}/optimizer_rank{rank}.pt", weights_only=True))
     try:
         hf_onebit.attach(model, opt)

@@ -58,9 +58,12 @@ def whole(p: torch.Tensor) -> torch.Tensor:
 
 
 def build_optimizer(name: str, params, kwargs: dict):
-    """``name`` is a class exported by ``hf_onebit`` or ``"module.path:ClassName"``."""
+    """``name`` is a class exported by ``hf_onebit`` or ``"module.path:ClassName"``; arguments left
+    out take the papers' values (``defaults="paper"``, the spec the simulations implement) unless
+    ``kwargs`` asks for ``defaults="library"``."""
     import importlib
 
+    kwargs = {"defaults": "paper", **kwargs}
     if ":" in name:
         module, cls = name.split(":")
         return getattr(importlib.import_module(module), cls)(params, **kwargs)
@@ -128,7 +131,8 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
         opt.zero_grad(set_to_none=True)
         history.append([whole(p) for p in model.parameters()])
         if record_steps:
-            per_step.append({"plan": plan, **opt.last_step_comm.as_dict()})
+            per_step.append({"plan": plan, "layout": list(opt.link.layout) if opt.link else [],
+                             **opt.last_step_comm.as_dict()})
         if save_dir is not None and step == save_at and sharded_checkpoint:
             import torch.distributed.checkpoint as dcp
 

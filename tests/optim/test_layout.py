@@ -48,7 +48,7 @@ def train_layout(rank, world_size, opt_name, kwargs, steps, channels_last):
         model = model.to(memory_format=torch.channels_last)
         assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
         assert not model.conv1.weight.is_contiguous() and not model.proj.is_contiguous()
-    opt = getattr(hf_onebit, opt_name)(model.parameters(), **kwargs)
+    opt = getattr(hf_onebit, opt_name)(model.parameters(), **{"defaults": "paper", **kwargs})  # the spec's
     ddp = DDP(model, bucket_cap_mb=0.001)
     hf_onebit.attach(ddp, opt)
     history, plans = [], []
@@ -233,7 +233,7 @@ def _snapshot_state(opt, p) -> dict:
 def _train(opt_name, kwargs, model, steps, rank, freeze_at=None, frozen=None, rebuild_at=None):
     import hf_onebit
 
-    opt = getattr(hf_onebit, opt_name)(model.parameters(), **kwargs)
+    opt = getattr(hf_onebit, opt_name)(model.parameters(), **{"defaults": "paper", **kwargs})  # the spec's
     ddp = DDP(model, bucket_cap_mb=TINY_BUCKETS)
     hf_onebit.attach(ddp, opt)
     params = list(model.parameters())
@@ -261,7 +261,7 @@ def _freeze_without_rebuild(opt_name, kwargs, rank, at):
     import hf_onebit
 
     model = PlainModel()
-    opt = getattr(hf_onebit, opt_name)(model.parameters(), **kwargs)
+    opt = getattr(hf_onebit, opt_name)(model.parameters(), **{"defaults": "paper", **kwargs})  # the spec's
     ddp = DDP(model, bucket_cap_mb=TINY_BUCKETS)
     hf_onebit.attach(ddp, opt)
     for step in range(1, at + 1):

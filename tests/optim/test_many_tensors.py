@@ -31,7 +31,7 @@ def _train(rank, world_size, steps):
     import hf_onebit
 
     model = ManySmall()
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, defaults="paper")
     ddp = DDP(model, bucket_cap_mb=0.02)  # ~700 tensors per bucket
     hf_onebit.attach(ddp, opt)
     for step in range(1, steps + 1):

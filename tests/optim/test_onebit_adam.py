@@ -147,12 +147,51 @@ def test_auto_mask_off_lets_tiny_gradient_coordinates_run_away():
     assert moved > 100
 
 
-@pytest.mark.parametrize("save_at", [3, 5, 8])  # in warmup, exactly at the freeze, in compression
-def test_resume_continues_bitwise(tmp_path, save_at):
-    kwargs = dict(lr=1e-2, freeze_step=5)
+@pytest.mark.parametrize("save_at,warmup_bits", [(3, None), (5, None), (8, None), (3, 8), (5, 4)],
+                         ids=["warmup", "at-freeze", "compression", "8bit-warmup", "4bit-at-freeze"])
+def test_resume_continues_bitwise(tmp_path, save_at, warmup_bits):
+    """In a b-bit warmup the error buffers are state too: saved per rank, restored bitwise."""
+    kwargs = dict(lr=1e-2, freeze_step=5, warmup_bits=warmup_bits)
     full = run_distributed(train, 2, "OneBitAdam", kwargs, 12, str(tmp_path), save_at)
     resumed = run_distributed(train, 2, "OneBitAdam", kwargs, 12 - save_at, None, None, str(tmp_path),
                               0.01, save_at)
     for r in range(2):
         for a, b in zip(full[r]["history"][-1], resumed[r]["history"][-1]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world_size,width,per_tensor", [(2, 8, True), (3, 4, True), (2, 8, False)])
+def test_b_bit_warmup_trajectory_matches_simulation_through_the_freeze(world_size, width, per_tensor):
+    """warmup_bits: the warmup's gradient goes through spec §1b per DDP bucket (error state per
+    segment, zeroed at the freeze), then the compression phase is the spec's."""
+    steps, freeze = 14, 6
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, freeze_step=freeze,
+                  scale_per_tensor=per_tensor, update_clip=1.0, warmup_bits=width)
+    outs = run_distributed(partial(train, tiny_grads=True, record_steps=True), world_size, "OneBitAdam", kwargs, steps)
+    layouts = [s["layout"] for s in outs[0]["steps"]]
+    torch.manual_seed(0)
+    init = [p.detach().numpy() for p in FixedGradModel().parameters()]
+    sim = OneBitAdamSimulation(init, world_size, [list(s) for s in outs[0]["segments"]], lr=1e-2, wd=0.01,
+                               freeze_step=freeze, scale_per_tensor=per_tensor, update_clip=1.0,
+                               warmup_bits=width, warmup_layouts=layouts)
+    for step in range(1, steps + 1):
+        grads = [[g.numpy() for g in fixed_grads(step, r, tiny=True)] for r in range(world_size)]
+        expected = sim.step(grads)
+        for r in range(world_size):
+            for got, want in zip(outs[r]["history"][step - 1], expected):
+                np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+            for a, b in zip(outs[r]["history"][step - 1], outs[0]["history"][step - 1]):
+                assert torch.equal(a, b)
+    plans = [s["plan"] for s in outs[0]["steps"]]
+    assert plans == ["quantize_gradient"] * freeze + ["compress_momentum"] * (steps - freeze)
+    # a warmup step sends about b/32 of an fp32 all-reduce's bytes (plus scales)
+    warm = outs[0]["steps"][freeze - 1]
+    assert warm["fp32_equivalent"] / warm["bytes_sent"] > 32 / width * 0.8
+
+
+def test_warmup_bits_is_checked_at_construction():
+    from hf_onebit import OneBitAdam
+
+    for bad in (2, 1, True, "8"):
+        with pytest.raises(ValueError, match="warmup_bits must be None"):
+            OneBitAdam([torch.nn.Parameter(torch.zeros(2))], warmup_bits=bad)

@@ -9,6 +9,7 @@ Several configurations share one process launch to keep the file fast.
 from __future__ import annotations
 
 import collections
+from functools import partial
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
-from tests.simulation import exchange, keep_mask
+from tests.simulation import WarmupExchange, exchange, keep_mask
 
 OPT = "hf_onebit.optim.onebit_lamb:OneBitLamb"
 
@@ -45,8 +46,12 @@ class OneBitLambSimulation:
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  freeze_step=100000, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
                  factor_min=0.5, factor_threshold=0.1, auto_mask=True, use_scaling=True,
-                 scale_per_tensor=False, update_clip=None, nodes=None, groups=None):
-        self.clip = update_clip  # hf_onebit's option: m/(max(sqrt(v), |m|/c) + eps) after the freeze
+                 scale_per_tensor=False, update_clip=None, nodes=None, groups=None, warmup_bits=None,
+                 warmup_layouts=None):
+        self.clip = update_clip
+        # hf_onebit's option: the warmup's gradient exchanged at warmup_bits (spec §1b)
+        self.warmup = WarmupExchange([np.asarray(x).size for x in params], n, warmup_bits, warmup_layouts,
+                                     scale_per_tensor)  # hf_onebit's option: m/(max(sqrt(v), |m|/c) + eps) after the freeze
         self.p = [np.array(x, np.float32) for x in params]
         K = len(self.p)
         self.groups = [list(g) for g in groups] if groups is not None else [[k] for k in range(K)]
@@ -78,8 +83,9 @@ class OneBitLambSimulation:
         if t <= self.F:
             self.ratios.append([])
             u = [None] * K
+            averaged = self.warmup(t, grads)
             for k in range(K):
-                g = np.mean([grads[r][k] for r in range(self.n)], axis=0).astype(np.float32)
+                g = averaged[k]
                 self.seen[k] |= g != 0
                 self.m[k] = (b1 * self.m[k] + (1 - b1) * g).astype(np.float32)
                 self.v[k] = (b2 * self.v[k] + (1 - b2) * g * g).astype(np.float32)
@@ -99,6 +105,8 @@ class OneBitLambSimulation:
                     self.p[k] = (self.p[k] - np.float32(self.lr * c) * u[k]).astype(np.float32)
                     if t == self.F:
                         self.v_fresh[k] = self.v[k].copy()
+            if t == self.F:
+                self.warmup.clear()
             return [x.copy() for x in self.p]
 
         if self.scaling is None:  # first compressed step: from the momentum before its update
@@ -322,7 +330,7 @@ def _run_local(kwargs, steps, dtype=torch.float32):
 
     torch.manual_seed(0)
     model = FixedGradModel().to(dtype)
-    opt = OneBitLamb(model.parameters(), **kwargs)
+    opt = OneBitLamb(model.parameters(), **{"defaults": "paper", **kwargs})
     history = []
     for step in range(1, steps + 1):
         for p, g in zip(model.parameters(), fixed_grads(step, 0)):
@@ -377,7 +385,8 @@ def test_state_is_fp32_and_survives_state_dict_for_bf16_parameters():
 def test_defaults_are_the_spec_defaults():
     from hf_onebit.optim.onebit_lamb import OneBitLamb
 
-    opt = OneBitLamb([torch.nn.Parameter(torch.zeros(3))])
+    opt = OneBitLamb([torch.nn.Parameter(torch.zeros(3))], defaults="paper")
+    assert (opt.scale_per_tensor, opt.update_clip, opt.warmup_bits, opt.auto_freeze) == (False, None, None, None)
     d = opt.defaults
     assert (d["lr"], d["betas"], d["eps"], d["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 0.0)
     assert (d["max_coeff"], d["min_coeff"], d["coeff_beta"]) == (10.0, 0.01, 0.9)
@@ -441,3 +450,27 @@ def test_hook_side_sends_scaled_momentum_and_returns_it_unscaled():
     grad = torch.empty(p.shape)
     opt.finish_receive(Plan.COMPRESS_MOMENTUM, p, out.clone(), grad, loss_scale)
     torch.testing.assert_close(grad, (0.8 * m + 0.2 * g) * loss_scale, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("world_size,width", [(2, 8), (3, 4)])
+def test_b_bit_warmup_trajectory_matches_simulation_through_the_freeze(world_size, width):
+    """warmup_bits: LAMB's warmup takes the gradient of spec §1b's exchange (per DDP bucket, error
+    state per segment, forgotten at the freeze); the compression phase is the spec's."""
+    steps, freeze = 14, 6
+    kwargs = dict(lr=1e-2, weight_decay=0.01, freeze_step=freeze, scale_per_tensor=True, update_clip=1.0,
+                  warmup_bits=width)
+    outs = run_distributed(partial(train, record_steps=True), world_size, "OneBitLamb", kwargs, steps)
+    layouts = [s["layout"] for s in outs[0]["steps"]]
+    torch.manual_seed(0)
+    init = [p.detach().numpy() for p in FixedGradModel().parameters()]
+    sim = OneBitLambSimulation(init, world_size, outs[0]["segments"], lr=1e-2, weight_decay=0.01,
+                               freeze_step=freeze, scale_per_tensor=True, update_clip=1.0, warmup_bits=width,
+                               warmup_layouts=layouts)
+    for step in range(1, steps + 1):
+        expected = sim.step([[g.numpy() for g in fixed_grads(step, r)] for r in range(world_size)])
+        for r in range(world_size):
+            for got, want in zip(outs[r]["history"][step - 1], expected):
+                np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+            for a, b in zip(outs[r]["history"][step - 1], outs[0]["history"][step - 1]):
+                assert torch.equal(a, b)
+    assert [s["plan"] for s in outs[0]["steps"]] == ["quantize_gradient"] * freeze + ["compress_momentum"] * (steps - freeze)

@@ -8,6 +8,7 @@ interval doubles (1, 2, 4) and is then clipped at 4, and local steps.
 from __future__ import annotations
 
 import io
+from functools import partial
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
-from tests.simulation import exchange, keep_mask
+from tests.simulation import WarmupExchange, exchange, keep_mask
 
 OPT = "hf_onebit.optim.zeroone_adam:ZeroOneAdam"
 # eps=1e-4: parameter 1's zero-gradient rows have v = 0, so the 1-bit noise moves them by
@@ -30,6 +31,7 @@ STEPS = 32
 SAVE_AT = 22  # between the syncs of steps 20 and 24, local counter at 1
 
 A, C, S, L = "allreduce", "compress_gradient", "sync_after_step", "local"
+Q = "quantize_gradient"  # a variance step with warmup_bits
 # The schedule spec §3 gives for KWARGS (worked out by hand): variance interval 1,1,2,2,4,4,8;
 # freeze after 13; sync interval 1,1,2,2,4,4(clipped),4...
 SCHEDULE = [A, A, C, A, C, A, C, A, C, C, C, A, C,   # steps 1-13: variance phase
@@ -50,7 +52,7 @@ class ZeroOneAdamSimulation:
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  auto_mask=True, bias_correction=False, scale_per_tensor=False, update_clip=None,
                  clip_synced_momentum=True, refresh_mask=False, momentum_correction=False, sync_in_momentum_units=False,
-                 nodes=None):
+                 nodes=None, warmup_bits=None, warmup_layouts=None):
         self.n = n
         # hf_onebit's option: a sync compresses u ⊙ (sqrt(v)+eps) / λ and multiplies the mean by λ
         self.momentum_units = sync_in_momentum_units
@@ -83,6 +85,10 @@ class ZeroOneAdamSimulation:
             self.comm = [exchange(sum(self.v[k].size for k in s), n,
                                   [self.v[k].size for k in s] if scale_per_tensor else None, nodes)
                          for s in self.segments]
+        # hf_onebit's option: variance steps exchange the gradient at warmup_bits (spec §1b), with the
+        # error buffers of the segment's 1-bit exchange
+        self.warmup = WarmupExchange([v.size for v in self.v], n, warmup_bits, warmup_layouts, scale_per_tensor,
+                                     {tuple(s): c for s, c in zip(self.segments, self.comm)})
         self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, weight_decay
         self.F, self.vus, self.lss, self.lsc = var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
         self.t, self.var_interval, self.var_counter, self.local_interval, self.local_counter = 0, 1, 0, 1, 0
@@ -124,8 +130,8 @@ class ZeroOneAdamSimulation:
         lr, b1, b2, wd = self.lr, self.b1, self.b2, self.wd
         if t <= self.F:
             if t % self.var_interval == 0:
-                kind = A
-                gbar = [np.mean([grads[r][k] for r in range(n)], axis=0).astype(np.float32) for k in range(P)]
+                kind = A if self.warmup.bits is None else Q
+                gbar = self.warmup(t, grads)
                 for k in range(P):
                     self.v[k] = b2 * self.v[k] + (1 - b2) * gbar[k] * gbar[k]
                     self.seen[k] |= gbar[k] != 0
@@ -240,14 +246,16 @@ def _two_configurations(rank, world_size, save_dir, per_tensor=False):
     return {"main": main, "early": early}
 
 
-def _check_against_simulation(outs, kwargs, steps, world_size, nodes=None, late=False) -> list[str]:
+def _check_against_simulation(outs, kwargs, steps, world_size, nodes=None, late=False,
+                              warmup_layouts=None) -> list[str]:
     """Every rank, every step: the spec simulation's parameters and plan; bitwise agreement.
     ``nodes = (M, k)``: the exchange by node (its compressed buffers take 5 rounds, 2 of them
     full precision inside the node). ``late``: the gradients of ``fixed_grads(late=True)``."""
     segments = outs[0]["segments"]
     assert all(o["segments"] == segments for o in outs)
     assert sorted(k for s in segments for k in s) == list(range(len(_initial_params())))
-    sim = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], world_size, segments, **kwargs, nodes=nodes)
+    sim = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], world_size, segments, **kwargs, nodes=nodes,
+                                warmup_layouts=warmup_layouts)
     for step in range(1, steps + 1):
         expected = sim.step(_grads(step, world_size, late))
         kind = sim.kinds[-1]
@@ -267,6 +275,8 @@ def _check_against_simulation(outs, kwargs, steps, world_size, nodes=None, late=
             kind = rec["plan"]
             if kind == L:
                 assert rec["rounds"] == 0 and rec["bytes_sent"] == 0, step
+            elif kind == Q:  # b bits: 3 rounds per bucket (step 1 has DDP's one), ~32/b times less than fp32
+                assert rec["rounds"] == 3 * len(rec["layout"]) and rec["fp32_equivalent"] > 2 * rec["bytes_sent"], step
             elif kind in (C, S) and nodes is None:  # 3 rounds per compressed buffer, ~32x less than fp32
                 assert rec["rounds"] == 3 * nseg, step
                 assert rec["fp32_equivalent"] > 16 * rec["bytes_sent"], step
@@ -501,7 +511,7 @@ def test_update_clip_one_process_matches_the_simulation():
     torch.manual_seed(0)
     model = FixedGradModel()
     kwargs = dict(KWARGS, update_clip=CLIP)
-    history, _, _ = _train_one_process(STEPS, ZeroOneAdam(model.parameters(), **kwargs), model)
+    history, _, _ = _train_one_process(STEPS, ZeroOneAdam(model.parameters(), **kwargs, defaults="paper"), model)
     sim = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 1, [list(range(5))], **kwargs)
     plain = ZeroOneAdamSimulation([p.numpy() for p in _initial_params()], 1, [list(range(5))], **KWARGS)
     for step in range(1, STEPS + 1):
@@ -525,7 +535,7 @@ def _train_one_process(steps, opt=None, model=None, start=0, dtype=torch.float32
     if model is None:
         torch.manual_seed(0)
         model = FixedGradModel().to(dtype)
-        opt = ZeroOneAdam(model.parameters(), **KWARGS)
+        opt = ZeroOneAdam(model.parameters(), **KWARGS, defaults="paper")
     history, saved = [], None
     for step in range(start + 1, start + steps + 1):
         for p, g in zip(model.parameters(), fixed_grads(step, 0)):
@@ -557,7 +567,7 @@ def test_one_process_matches_the_spec_and_resumes():
     torch.manual_seed(1)
     model = FixedGradModel()
     model.load_state_dict(torch.load(io.BytesIO(saved[0]), weights_only=True))
-    opt2 = ZeroOneAdam(model.parameters(), **KWARGS)
+    opt2 = ZeroOneAdam(model.parameters(), **KWARGS, defaults="paper")
     opt2.load_state_dict(torch.load(io.BytesIO(saved[1]), weights_only=True))
     opt2.load_rank_state_dict(torch.load(io.BytesIO(saved[2]), weights_only=True))
     assert (opt2.local_interval, opt2.local_counter, opt2.var_interval) == (4, 1, 8)
@@ -571,7 +581,7 @@ def test_rank_state_needs_the_optimizer_state_first():
 
     _, _, saved = _train_one_process(16, save_at=15)
     model = FixedGradModel()
-    opt = ZeroOneAdam(model.parameters(), **KWARGS)
+    opt = ZeroOneAdam(model.parameters(), **KWARGS, defaults="paper")
     with pytest.raises(ValueError, match="load_state_dict"):
         opt.load_rank_state_dict(torch.load(io.BytesIO(saved[2]), weights_only=True))
 
@@ -585,7 +595,7 @@ def test_bf16_parameters_keep_fp32_state_through_a_checkpoint():
     for st in opt.state.values():
         assert all(st[k].dtype == torch.float32 for k in keys)
     model = FixedGradModel().to(torch.bfloat16)
-    opt2 = ZeroOneAdam(model.parameters(), **KWARGS)
+    opt2 = ZeroOneAdam(model.parameters(), **KWARGS, defaults="paper")
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     opt2.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
@@ -620,7 +630,8 @@ def test_construction_errors(bad, match):
 def test_defaults_are_deepspeeds():
     from hf_onebit.optim.zeroone_adam import ZeroOneAdam
 
-    opt = ZeroOneAdam([torch.nn.Parameter(torch.zeros(3))])
+    opt = ZeroOneAdam([torch.nn.Parameter(torch.zeros(3))], defaults="paper")
+    assert (opt.scale_per_tensor, opt.update_clip, opt.warmup_bits, opt.clip_synced_momentum) == (False, None, None, True)
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 0.0)
     assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler, opt.local_step_clipper) == (
@@ -629,3 +640,14 @@ def test_defaults_are_deepspeeds():
     # the one default that is not DeepSpeed's: the variance is bias-corrected (issue 11: without it a
     # short fine-tuning run diverged); bias_correction=False keeps DeepSpeed's arithmetic
     assert opt.bias_correction is True
+
+
+@pytest.mark.parametrize("world_size,width", [(2, 8), (3, 4)])
+def test_b_bit_variance_steps_match_the_simulation(world_size, width):
+    """warmup_bits: every variance step exchanges the gradient at b bits (spec §1b) with the error
+    buffers of the 1-bit steps between them; the local phase is the spec's."""
+    kwargs = dict(KWARGS, scale_per_tensor=True, warmup_bits=width)
+    outs = run_distributed(partial(train, record_steps=True), world_size, OPT, kwargs, STEPS)
+    layouts = [s["layout"] for s in outs[0]["steps"]]
+    kinds = _check_against_simulation(outs, kwargs, STEPS, world_size, warmup_layouts=layouts)
+    assert Q in kinds and C in kinds and S in kinds and A not in kinds

@@ -1,0 +1,93 @@
+"""The defaults of every entry point, in one table: the measured ones, and the papers' a switch away.
+
+Each optimizer's constructor arguments below default to :data:`LIBRARY`'s value; with
+``defaults="paper"`` every argument the caller leaves out takes :data:`PAPER`'s value instead, the
+arithmetic of the spec (``shared/spec/algorithms.md``), which the trajectory tests check against
+independent simulations. An argument the caller gives is always taken as given. The plain
+constructors, :class:`~hf_onebit.OneBitTrainer`, the launcher (``python -m hf_onebit.run``), the
+Accelerate plugin and the recipes all build their optimizers through these constructors, so they
+share one set of defaults; the training-loop settings that go with them (learning rate, gradient
+clipping) are in :mod:`hf_onebit.integrations.defaults`, applied by every HF entry point.
+
+What each library default does, and why it differs from the paper (figures: ``docs/results.md``):
+
+=======================  =====================================================================
+argument                 library default
+=======================  =====================================================================
+``freeze_step``          ``"auto"``: the warmup ends when the variance has settled, within
+(0/1 Adam:               bounds fitted to the run's length (:mod:`hf_onebit.optim.freeze`). The
+``var_freeze_step``)     paper's ``100000`` is longer than most runs: they never compress.
+``scale_per_tensor``     ``True``: one compression scale per parameter tensor, so a
+                         tiny-gradient tensor is not rebuilt at its bucket's scale (a 100-layer
+                         stack diverges at the first 1-bit step without it).
+``update_clip``          ``1.0``: no coordinate's adaptive step exceeds ``lr`` where the variance
+                         is stale (after the freeze); an early freeze no longer blows up a step.
+``warmup_bits``          ``8``: the warmup exchanges the gradient at 8 bits with error feedback
+                         (spec §1b) instead of 32, so the warmup, which the automatic freeze keeps
+                         long, sends 4x fewer bytes.
+``clip_synced_momentum`` ``False`` (0/1 Adam): with ``update_clip`` the momentum its syncs
+                         restore is not clipped a second time.
+=======================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("hf_onebit")
+
+#: the values of ``defaults=``
+PRESETS = ("library", "paper")
+
+
+class _LibraryDefault:
+    """The default of a constructor argument whose value depends on ``defaults=`` (a sentinel)."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "<library default>"
+
+
+#: what a constructor argument of the tables below defaults to (resolved by :func:`resolve`)
+LIBRARY_DEFAULT = _LibraryDefault()
+
+_ADAM_LIKE = dict(scale_per_tensor=True, update_clip=1.0, warmup_bits=8)
+_SPEC = dict(scale_per_tensor=False, update_clip=None, warmup_bits=None)
+
+#: the measured defaults, by optimizer class
+LIBRARY: dict[str, dict] = {
+    "OneBitAdam": dict(freeze_step="auto", **_ADAM_LIKE),
+    "OneBitLamb": dict(freeze_step="auto", **_ADAM_LIKE),
+    "ZeroOneAdam": dict(var_freeze_step="auto", clip_synced_momentum=False, **_ADAM_LIKE),
+}
+
+#: the papers' (the spec's) values of the same arguments
+PAPER: dict[str, dict] = {
+    "OneBitAdam": dict(freeze_step=100000, **_SPEC),
+    "OneBitLamb": dict(freeze_step=100000, **_SPEC),
+    "ZeroOneAdam": dict(var_freeze_step=100000, clip_synced_momentum=True, **_SPEC),
+}
+
+
+def check_preset(defaults) -> str:
+    if defaults not in PRESETS:
+        raise ValueError(f"defaults must be one of {PRESETS} (the measured defaults, or the papers'), got {defaults!r}")
+    return defaults
+
+
+def resolve(optimizer: str, defaults: str, **given) -> dict:
+    """The values of ``given`` (constructor arguments of ``optimizer``, :data:`LIBRARY_DEFAULT`
+    where the caller left one out), each left-out one taken from the ``defaults`` preset."""
+    table = (LIBRARY if check_preset(defaults) == "library" else PAPER)[optimizer]
+    return {k: table[k] if v is LIBRARY_DEFAULT else v for k, v in given.items()}
+
+
+def library_arguments(optimizer: str) -> dict:
+    """:data:`LIBRARY`'s arguments of the optimizer class named ``optimizer`` (empty for BinSGDM)."""
+    return dict(LIBRARY.get(optimizer, {}))
