@@ -8,8 +8,9 @@ module         what it holds
 ``accelerate`` :func:`~hf_onebit.integrations.accelerate.attach` and ``OneBitAccelerator``
                for hand-written Accelerate loops
 ``options``    the ``--optim`` names and where each hyperparameter comes from
-``defaults``   what each optimizer needs that the Trainer's defaults lack (no clipping, LAMB's
-               lr), the warmup alias, :func:`~.defaults.default_freeze_arguments`
+``defaults``   the training-loop settings each optimizer needs that the Trainer's defaults
+               lack (no clipping, LAMB's and BinSGDM's lr), what counts as given, the warmup
+               alias (the optimizers' own defaults: :mod:`hf_onebit.optim.defaults`)
 ``checks``     start-up refusals (FSDP, DeepSpeed, model parallel, lone ranks; the hook's own,
                sparse and find_unused, are re-exported from :mod:`hf_onebit.refusals`)
 ``trainer_quirks`` where the stock Trainer's own choices would hurt (loss normalisation,

@@ -1,38 +1,51 @@
-"""The settings each hf_onebit optimizer needs that differ from the Trainer's defaults, in one table.
+"""The training-loop settings each hf_onebit optimizer needs that differ from the Trainer's defaults.
 
-Shared by the launcher (``python -m hf_onebit.run``, applied to the stock ``TrainingArguments``
-when they are parsed, see :func:`apply_launcher_defaults`) and by ``recipes/glue/run_glue.py``
-(its own ``apply_onebit_defaults``), so the two cannot drift:
+The optimizers' own arguments (the automatic freeze, one scale per tensor, the update clip, the
+8-bit warmup) are not here: their constructors apply them, from the one table of
+:mod:`hf_onebit.optim.defaults` (``LIBRARY``; ``defaults="paper"`` for the spec's values), so
+``OneBitAdam(params)``, ``--optim onebit_adam`` through :class:`~hf_onebit.OneBitTrainer` or the
+launcher, the Accelerate plugin and the recipes build the same optimizer. This module holds what
+only a training loop decides, and is the one place for it:
 
-=================  =====================================================================
-table              what it says
-=================  =====================================================================
-``FREEZE_ARGUMENT`` the constructor argument that ends each optimizer's uncompressed warmup
-``NO_CLIPPING``    optimizers trained without gradient clipping unless ``--max_grad_norm``
-                   is given, and why
-``LEARNING_RATE``  optimizers whose learning rate differs from the Trainer's 5e-5 unless
-                   ``--learning_rate`` is given, and why
-``WARMUP_ALIASES`` ``--optim_args`` keys accepted under a common name (``freeze_step`` for 0/1
-                   Adam means ``var_freeze_step``)
-=================  =====================================================================
+==================  =====================================================================
+table               what it says
+==================  =====================================================================
+``NO_CLIPPING``     optimizers trained without gradient clipping unless ``--max_grad_norm``
+                    is given, and why
+``LEARNING_RATE``   optimizers whose learning rate differs from the Trainer's 5e-5 unless
+                    ``--learning_rate`` is given, and why
+``WARMUP_ALIASES``  ``--optim_args`` keys accepted under a common name (``freeze_step`` for 0/1
+                    Adam means ``var_freeze_step``)
+==================  =====================================================================
 
-:func:`default_freeze_arguments` decides the warmup's end (automatic) and the compression scales
-(per tensor) used when the user gives none.
+Both HF entry points apply the first two with :func:`apply_training_defaults` when the
+``TrainingArguments`` are built: :class:`~hf_onebit.OneBitTrainingArguments` in its
+``__post_init__`` (so :class:`~hf_onebit.OneBitTrainer` and ``recipes/glue/run_glue.py``), and the
+launcher (``python -m hf_onebit.run``) on a stock ``TrainingArguments``
+(:func:`hf_onebit.integrations.patch.on_parse`). Each change is printed once (rank 0) with the
+flag that overrides it.
 
-A value counts as *given* when its flag is on the command line (``--max_grad_norm 1``,
-``--max-grad-norm=1``, an unambiguous prefix as argparse accepts it) or a key of the JSON/YAML
-file a stock script reads its arguments from; then it is never changed. Every change is printed
-once (rank 0) with the flag that overrides it.
+A value the user *gave* is never changed (:func:`explicit_at_construction`):
+
+* arguments parsed from the command line by ``HfArgumentParser.parse_args_into_dataclasses``
+  (which passes every field): an option on ``sys.argv`` (``--max_grad_norm 1``,
+  ``--max-grad-norm=1``, an unambiguous prefix as argparse accepts it) or a key of a JSON/YAML
+  file named on it. A script's own parser default (``parser.set_defaults(learning_rate=...)``)
+  is not given: the table overrides it. A script that parses an ``args=`` list of its own names
+  it with :func:`command_line`;
+* ``OneBitTrainingArguments`` built in Python, or by ``HfArgumentParser.parse_dict`` /
+  ``parse_json_file`` / ``parse_yaml_file``: a keyword passed to the constructor, whatever its
+  value (``learning_rate=5e-5`` is kept for ``onebit_lamb``); one left out is not given;
+* a stock ``TrainingArguments`` built in Python under the launcher (hf_onebit does not see its
+  constructor's keywords): the command line rule above, on ``sys.argv``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-
-#: the argument that ends each optimizer's uncompressed warmup (0/1 Adam: its variance phase)
-FREEZE_ARGUMENT = {"onebit_adam": "freeze_step", "onebit_lamb": "freeze_step", "zeroone_adam": "var_freeze_step"}
 
 #: optimizers trained without gradient clipping unless --max_grad_norm is given, and why
 NO_CLIPPING = {
@@ -73,37 +86,10 @@ LEARNING_RATE = {
 WARMUP_ALIASES = {"zeroone_adam": {"freeze_step": "var_freeze_step"}}
 
 
-def default_freeze_arguments(optim: str) -> dict:
-    """The constructor arguments the HF integration passes unless the user gives them.
-
-    * the warmup's end: ``"auto"`` (:class:`~hf_onebit.optim.freeze.AutoFreeze`; the callback fits
-      its bounds to the run's length when training starts, see
-      :func:`hf_onebit.optim.freeze.AutoFreeze.for_run`): nobody can be expected to find the
-      freeze step by trial and error, and a fixed default (the optimizers' ``100000``) is either
-      longer than a fine-tuning run or too early for it;
-    * ``scale_per_tensor=True`` for the optimizers that compress with error feedback: one scale
-      per parameter tensor, so small-gradient tensors are not rebuilt at their bucket's scale;
-    * ``update_clip=1.0`` for 1-bit Adam, 0/1 Adam and 1-bit LAMB: where the variance is stale
-      (after the freeze; 0/1 Adam's steps that do not update it) no coordinate's adaptive step
-      exceeds 1 (``lr`` for the Adams), which Adam's own update nearly never exceeds; it keeps an
-      early freeze and 1-bit noise on small-variance coordinates from blowing up the step
-      (docs/algorithms.md, "Update clip");
-    * ``clip_synced_momentum=False`` for 0/1 Adam: with the clip, the momentum its syncs restore
-      is not clipped as well (on the stock table: −0.45 / +0.13 points against AdamW with the
-      automatic / 20% freeze, against −0.82 / −1.41 with it clipped; docs/results.md).
-    """
-    if optim not in FREEZE_ARGUMENT:
-        return {}
-    args = {FREEZE_ARGUMENT[optim]: "auto", "scale_per_tensor": True, "update_clip": 1.0}
-    if optim == "zeroone_adam":
-        args["clip_synced_momentum"] = False
-    return args
-
-
 # --------------------------------------------------------------------------- what the user gave
 def _names_in_argv(argv: list[str]) -> set[str]:
     names = set()
-    for token in argv:
+    for token in map(str, argv):
         if token.startswith("--") and len(token) > 2:
             names.add(token[2:].split("=", 1)[0].replace("-", "_"))
     return names
@@ -112,7 +98,7 @@ def _names_in_argv(argv: list[str]) -> set[str]:
 def _keys_in_config_files(argv: list[str]) -> set[str]:
     """Keys of a JSON/YAML file given as an argument (stock scripts: ``script.py args.json``)."""
     keys: set[str] = set()
-    for token in argv:
+    for token in map(str, argv):
         if not token.endswith((".json", ".yaml", ".yml")) or not os.path.isfile(token):
             continue
         try:
@@ -130,9 +116,28 @@ def _keys_in_config_files(argv: list[str]) -> set[str]:
     return keys
 
 
+#: the command line being parsed, where a script parses a list of its own (see :func:`command_line`)
+_COMMAND_LINE: list[str] | None = None
+
+
+@contextlib.contextmanager
+def command_line(argv: list[str]):
+    """Within it, the command line is ``argv``, not ``sys.argv[1:]``: for a script that parses a list
+    of its own (``parser.parse_args_into_dataclasses(args=argv)``), so that what it gives counts."""
+    global _COMMAND_LINE
+    previous, _COMMAND_LINE = _COMMAND_LINE, list(argv)
+    try:
+        yield
+    finally:
+        _COMMAND_LINE = previous
+
+
 def explicit_options(argv: list[str] | None = None) -> set[str]:
-    """The option names (``learning_rate``, ...) the user gave, from ``argv`` (default ``sys.argv[1:]``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The option names (``learning_rate``, ...) the user gave, from ``argv`` (default: the command
+    line, ``sys.argv[1:]`` or the one :func:`command_line` names)."""
+    if argv is None:
+        argv = sys.argv[1:] if _COMMAND_LINE is None else _COMMAND_LINE
+    argv = list(argv)
     return _names_in_argv(argv) | _keys_in_config_files(argv)
 
 
@@ -141,9 +146,23 @@ def given(option: str, explicit: set[str]) -> bool:
     return any(name == option or (len(name) >= 3 and option.startswith(name)) for name in explicit)
 
 
+def explicit_at_construction(passed: set[str] | None = None, fields: set[str] | None = None) -> set[str]:
+    """The option names the user gave to the ``TrainingArguments`` being built.
+
+    ``passed``: the keywords its constructor received, where known (``OneBitTrainingArguments``
+    records them); ``fields``: every field its constructor takes. Keywords for a subset of the
+    fields were written by a person (Python, ``parse_dict``, a JSON/YAML file): they are what was
+    given. Keywords for every field come from ``HfArgumentParser.parse_args_into_dataclasses``
+    (or ``dataclasses.replace``), which passes defaults too: then the command line decides.
+    """
+    if passed is not None and fields is not None and not fields <= set(passed):
+        return set(passed)
+    return explicit_options()
+
+
 # --------------------------------------------------------------------------- applying them
-def launcher_defaults(optim: str, args, explicit: set[str]) -> list[tuple[str, object, str]]:
-    """The changes :func:`apply_launcher_defaults` would make: ``(attribute, value, message)``."""
+def training_defaults(optim: str, args, explicit: set[str]) -> list[tuple[str, object, str]]:
+    """The changes :func:`apply_training_defaults` would make: ``(attribute, value, message)``."""
     changes = []
     if optim in NO_CLIPPING and not given("max_grad_norm", explicit) and args.max_grad_norm:
         changes.append(("max_grad_norm", 0.0,
@@ -152,20 +171,25 @@ def launcher_defaults(optim: str, args, explicit: set[str]) -> list[tuple[str, o
     if optim in LEARNING_RATE and not given("learning_rate", explicit):
         lr, why = LEARNING_RATE[optim]
         if args.learning_rate != lr:
+            field = getattr(type(args), "__dataclass_fields__", {}).get("learning_rate")
+            whose = "the Trainer's default" if field is not None and args.learning_rate == field.default else \
+                "the script's default"
             changes.append(("learning_rate", lr,
-                            f"--learning_rate {lr:g} for --optim {optim} (was {args.learning_rate:g}, the Trainer's"
-                            f" default): {why}. Pass --learning_rate to choose."))
+                            f"--learning_rate {lr:g} for --optim {optim} (was {args.learning_rate:g}, {whose}):"
+                            f" {why}. Pass --learning_rate to choose."))
     return changes
 
 
-def apply_launcher_defaults(optim: str, args, explicit: set[str] | None = None) -> list[str]:
+def apply_training_defaults(optim: str, args, explicit: set[str] | None = None) -> list[str]:
     """Give ``args`` (a ``TrainingArguments``) the settings ``optim`` needs, unless the user gave them.
 
-    Returns the messages (one per change, naming the flag that overrides it).
+    ``explicit``: the option names the user gave (default: :func:`explicit_at_construction`).
+    Returns the messages (one per change, naming the flag that overrides it) for the caller to
+    print with :func:`hf_onebit.integrations.logs.announce`.
     """
-    explicit = explicit_options() if explicit is None else explicit
+    explicit = explicit_at_construction() if explicit is None else explicit
     messages = []
-    for attribute, value, message in launcher_defaults(optim, args, explicit):
+    for attribute, value, message in training_defaults(optim, args, explicit):
         setattr(args, attribute, value)
         messages.append(message)
     return messages

@@ -12,7 +12,9 @@ Where each hyperparameter comes from
 ``weight_decay``    ``--weight_decay`` (the Trainer puts biases and norms in a group with 0)
 BinSGDM ``seed``    ``--seed`` unless ``seed=`` is given in ``--optim_args``
 the rest            the optimizer's own flags of :class:`~hf_onebit.OneBitTrainingArguments`
-                    (``--freeze_step`` ...) or ``--optim_args "key=value,..."``
+                    (``--freeze_step`` ...) or ``--optim_args "key=value,..."``; what is not
+                    given is left to the constructor's defaults (:mod:`hf_onebit.optim.defaults`:
+                    ``--optim_args defaults=paper`` for the papers' values)
 ==================  ===================================================================
 
 Values in ``--optim_args`` are converted to the constructor's annotated type (``int``,
@@ -28,7 +30,7 @@ import types
 import typing
 from dataclasses import dataclass
 
-from hf_onebit.integrations.defaults import WARMUP_ALIASES, default_freeze_arguments
+from hf_onebit.integrations.defaults import WARMUP_ALIASES
 from hf_onebit.optim import (
     BinSGDM,
     OneBitAdam,
@@ -184,8 +186,9 @@ def optimizer_kwargs(name, args, notes: list | None = None) -> tuple[type[OneBit
     ``args`` is a ``TrainingArguments``; the hyperparameter flags of
     :class:`~hf_onebit.OneBitTrainingArguments` are read if present. A common warmup name in
     ``--optim_args`` (``freeze_step`` for ``zeroone_adam``: :data:`.defaults.WARMUP_ALIASES`) is
-    translated, with a line appended to ``notes``. Warmup arguments the user did not give come
-    from :func:`.defaults.default_freeze_arguments`.
+    translated, with a line appended to ``notes``. Arguments the user did not give are left out:
+    the constructor applies its defaults (:data:`hf_onebit.optim.defaults.LIBRARY`, or the
+    papers' with ``--optim_args defaults=paper``), the same as for ``OneBitAdam(params)``.
     """
     name = optim_name(name)
     spec = ONEBIT_OPTIMIZERS.get(name)
@@ -230,8 +233,6 @@ def optimizer_kwargs(name, args, notes: list | None = None) -> tuple[type[OneBit
             raise ValueError(f"--optim_args: {key} is also set by --{key}; give it once")
         kwargs[key] = _convert(spec, key, text, settable[key])
 
-    for key, value in default_freeze_arguments(name).items():
-        kwargs.setdefault(key, value)
     if spec.cls is BinSGDM and "seed" not in kwargs:
         kwargs["seed"] = int(getattr(args, "seed", 0)) % 2**64
     return spec.cls, kwargs

@@ -116,19 +116,20 @@ def _set_help(field, text: str) -> None:
 def on_parse(args) -> None:
     """Run when a stock ``TrainingArguments`` with an hf_onebit ``--optim`` is built (parsed).
 
-    Refuses FSDP/DeepSpeed, applies the settings the optimizer needs unless the user gave them
-    (:func:`hf_onebit.integrations.defaults.apply_launcher_defaults`), and builds the optimizer over a
-    dummy parameter so that a bad ``--optim_args`` fails now, before the model and data load.
-    Prints what it changed or translated (rank 0, once).
+    Refuses FSDP/DeepSpeed, applies the training-loop settings the optimizer needs unless the user
+    gave them (:func:`hf_onebit.integrations.defaults.apply_training_defaults`, as
+    ``OneBitTrainingArguments`` does), and builds the optimizer over a dummy parameter so that a
+    bad ``--optim_args`` fails now, before the model and data load. Prints what it changed or
+    translated (rank 0, once).
     """
-    from hf_onebit.integrations.defaults import apply_launcher_defaults
+    from hf_onebit.integrations.defaults import apply_training_defaults
     from hf_onebit.integrations.logs import announce
     from hf_onebit.integrations.options import optim_name, validate
     from hf_onebit.integrations.checks import refuse_arguments
 
     name = optim_name(args.optim)
     refuse_arguments(args)
-    changes = apply_launcher_defaults(name, args)
+    changes = apply_training_defaults(name, args)
     notes = validate(name, args)
     for message in [*changes, *notes]:
         announce(message)

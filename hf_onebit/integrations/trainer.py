@@ -16,7 +16,12 @@ What it adds to ``transformers.Trainer`` (public API only; nothing is patched):
 * :class:`OneBitTrainingArguments` accepts the four names next to every stock ``--optim``
   value, plus the optimizers' own flags (:mod:`.options` says where each hyperparameter
   comes from). Its ``optim`` field is a plain string so that ``HfArgumentParser`` takes the
-  new names; ``__post_init__`` validates it and lists the valid names on a typo.
+  new names; ``__post_init__`` validates it and lists the valid names on a typo, and applies
+  the training-loop settings the optimizer needs unless the user gave them (no clipping for
+  BinSGDM, 1-bit Adam and 0/1 Adam, LAMB's and BinSGDM's learning rate:
+  :mod:`.defaults`, the table and the rule for "given" the launcher uses too), printing each
+  change once. The optimizer's own arguments left out take the constructors' defaults
+  (:mod:`hf_onebit.optim.defaults`), as everywhere else.
 * :meth:`OneBitTrainer.get_optimizer_cls_and_kwargs` (a public override point) builds the
   hf_onebit optimizer over the Trainer's usual parameter groups (no weight decay on biases
   and norms); stock LR schedulers drive its learning rate.
@@ -29,6 +34,7 @@ What it adds to ``transformers.Trainer`` (public API only; nothing is patched):
   :func:`~hf_onebit.integrations.trainer_quirks.fix_loss_kwargs`).
 """
 
+import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -40,6 +46,7 @@ from transformers.training_args import OptimizerNames
 from hf_onebit.integrations import checks
 from hf_onebit.integrations.accelerate import unwrap_optimizer
 from hf_onebit.integrations.callbacks import OneBitCallback
+from hf_onebit.integrations.defaults import apply_training_defaults, explicit_at_construction
 from hf_onebit.integrations.options import (
     ALL_FLAGS,
     ONEBIT_OPTIMIZERS,
@@ -77,6 +84,13 @@ class OneBitTrainingArguments(TrainingArguments):
     ``learning_rate``, ``adam_beta1``/``adam_beta2`` (BinSGDM: ``beta = adam_beta1``),
     ``adam_epsilon`` and ``weight_decay`` are the stock arguments. Every other constructor
     argument can be given in ``optim_args`` (``"auto_mask=false,bias_correction=true"``).
+
+    With an hf_onebit ``optim``, ``max_grad_norm`` and ``learning_rate`` follow
+    :mod:`hf_onebit.integrations.defaults` (``NO_CLIPPING``, ``LEARNING_RATE``) unless given:
+    on the command line (``sys.argv``) parsed by ``HfArgumentParser``, or as a keyword of this constructor in
+    Python (any value, the field's default included: ``learning_rate=5e-5`` is kept). The
+    keywords are recorded by ``__new__``, which receives the same arguments as the generated
+    ``__init__`` (also in dataclass subclasses).
     """
 
     optim: str = field(
@@ -110,8 +124,17 @@ class OneBitTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "zeroone_adam: largest interval between syncs (default 16)."}
     )
 
+    def __new__(cls, *args, **kwargs):
+        # the keywords given to the constructor (the generated __init__ gets the same arguments)
+        self = super().__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        self._onebit_passed = frozenset(names[: len(args)]) | frozenset(kwargs)
+        return self
+
     def __post_init__(self):
         name = optim_name(self.optim)
+        fields = {f.name for f in dataclasses.fields(self) if f.init}
+        self._onebit_explicit = frozenset(explicit_at_construction(getattr(self, "_onebit_passed", None), fields))
         if is_onebit_name(name):
             checks.refuse_arguments(self)
             if self.ddp_find_unused_parameters is None:
@@ -123,8 +146,7 @@ class OneBitTrainingArguments(TrainingArguments):
                 super().__post_init__()
             finally:
                 self.optim = name
-            for note in validate(name, self):  # fail now, not at the first step, on a bad hyperparameter
-                announce(note)
+            self._onebit_training_defaults(name, self._onebit_explicit)
             return
         try:
             OptimizerNames(name)
@@ -135,16 +157,34 @@ class OneBitTrainingArguments(TrainingArguments):
             raise ValueError(f"{', '.join(given)} only apply to hf_onebit optimizers, not to --optim {name}")
         super().__post_init__()
 
-    def set_optimizer(self, name="adamw_torch", learning_rate=5e-5, weight_decay=0, beta1=0.9, beta2=0.999,
+    def _onebit_training_defaults(self, name: str, explicit) -> None:
+        for message in apply_training_defaults(name, self, set(explicit)):
+            announce(message)
+        for note in validate(name, self):  # fail now, not at the first step, on a bad hyperparameter
+            announce(note)
+
+    def set_optimizer(self, name="adamw_torch", learning_rate=None, weight_decay=0, beta1=0.9, beta2=0.999,
                       epsilon=1e-8, args=None):
-        """As in ``TrainingArguments``, also for the hf_onebit names."""
+        """As in ``TrainingArguments``, also for the hf_onebit names.
+
+        ``learning_rate`` left out is the Trainer's 5e-5, or for an hf_onebit name the value
+        :data:`~hf_onebit.integrations.defaults.LEARNING_RATE` gives it; ``max_grad_norm`` follows
+        :data:`~hf_onebit.integrations.defaults.NO_CLIPPING` unless it was given when these
+        arguments were built.
+        """
+        stock_lr = TrainingArguments.__dataclass_fields__["learning_rate"].default
         if not is_onebit_name(name):
-            return super().set_optimizer(name, learning_rate, weight_decay, beta1, beta2, epsilon, args)
+            lr = stock_lr if learning_rate is None else learning_rate
+            return super().set_optimizer(name, lr, weight_decay, beta1, beta2, epsilon, args)
         self.optim = optim_name(name)
-        self.learning_rate, self.weight_decay = learning_rate, weight_decay
+        self.learning_rate = stock_lr if learning_rate is None else learning_rate
+        self.weight_decay = weight_decay
         self.adam_beta1, self.adam_beta2, self.adam_epsilon = beta1, beta2, epsilon
         self.optim_args = args
-        validate(self.optim, self)
+        explicit = set(getattr(self, "_onebit_explicit", ()))
+        if learning_rate is not None:
+            explicit.add("learning_rate")
+        self._onebit_training_defaults(self.optim, explicit)
         return self
 
 

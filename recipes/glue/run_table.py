@@ -28,9 +28,11 @@ CONFIG = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
 
 COMMON = ["--seed", "42", "--per_device_train_batch_size", "16", "--logging_steps", "40"]
 
-#: method -> its own arguments (LAMB with a larger learning rate, BinSGDM without gradient clipping).
-#: Unless given, freeze_step / var_freeze_step are automatic (the HF integration's default: when the
-#: variance has settled, within 10-40% of the run) and 1-bit compression has one scale per tensor.
+#: method -> its own arguments (LAMB with a larger learning rate, BinSGDM without gradient clipping:
+#: the values OneBitTrainingArguments would set, hf_onebit/integrations/defaults.py, written out so
+#: each report shows them). Unless given, the optimizers' arguments are the library's defaults
+#: (hf_onebit/optim/defaults.py): freeze_step / var_freeze_step automatic (when the variance has
+#: settled, within 10-40% of the run), one scale per tensor, the update clip, the 8-bit warmup.
 METHODS = {
     "adamw": ["--optim", "adamw_torch", "--learning_rate", "1e-4"],
     "onebit_adam": ["--optim", "onebit_adam", "--learning_rate", "1e-4"],

@@ -32,10 +32,10 @@ def test_flags_and_optim_args_become_typed_constructor_arguments():
     cls, kwargs = OneBitTrainer.get_optimizer_cls_and_kwargs(args)
     assert cls is OneBitAdam
     assert kwargs == {"lr": 2e-5, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.01, "freeze_step": 400,
-                      "auto_mask": False, "bias_correction": False,
-                      "scale_per_tensor": True, "update_clip": 1.0}  # the integration's defaults (defaults.py)
+                      "auto_mask": False, "bias_correction": False}  # the rest: the constructor's defaults
     opt = cls([torch.nn.Parameter(torch.zeros(3))], **kwargs)
     assert opt.freeze_step == 400 and opt.auto_mask is False and opt.auto_freeze is None
+    assert opt.scale_per_tensor is True and opt.update_clip == 1.0 and opt.warmup_bits == 8  # optim/defaults.py
 
 
 @pytest.mark.parametrize("argv", [[], ["--freeze_step", "auto"], ["--optim_args", "freeze_step=auto"]])
@@ -44,7 +44,7 @@ def test_the_warmup_is_automatic_unless_given(argv):
     from hf_onebit.optim.freeze import AutoFreeze
 
     cls, kwargs = OneBitTrainer.get_optimizer_cls_and_kwargs(_parse(["--optim", "onebit_adam", *argv]))
-    assert kwargs["freeze_step"] == "auto"
+    assert kwargs.get("freeze_step") == ("auto" if argv else None)  # not given: the constructor's default, "auto"
     opt = cls([torch.nn.Parameter(torch.zeros(3))], **kwargs)
     assert opt.auto_freeze == AutoFreeze() and opt.scale_per_tensor is True
     cls, kwargs = OneBitTrainer.get_optimizer_cls_and_kwargs(_parse(["--optim", "binsgdm"]))
@@ -78,7 +78,7 @@ def test_stock_names_still_work():
 @pytest.mark.parametrize("argv, message", [
     (["--optim", "onebit_adamm"], r"'onebit_adamm' is not a known optimizer.*onebit_adam, zeroone_adam, onebit_lamb, binsgdm.*adamw_torch"),
     (["--optim", "onebit_adam", "--optim_args", "freez_step=3"],
-     r"unknown key 'freez_step' for --optim onebit_adam.*valid keys: auto_mask, bias_correction, check_finite, freeze_step, hierarchical, scale_per_tensor, update_clip"),
+     r"unknown key 'freez_step' for --optim onebit_adam.*valid keys: auto_mask, bias_correction, check_finite, defaults, freeze_step, hierarchical, scale_per_tensor, total_steps, update_clip, warmup_bits"),
     (["--optim", "onebit_adam", "--optim_args", "freeze_step=ten"], r"freeze_step must be an integer >= 0 or 'auto', got 'ten'"),
     (["--optim", "onebit_adam", "--optim_args", "auto_mask=maybe"], r"auto_mask='maybe' is not a boolean"),
     (["--optim", "onebit_adam", "--optim_args", "lr=3"], r"lr comes from the training arguments.*--learning_rate"),

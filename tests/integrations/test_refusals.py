@@ -188,11 +188,13 @@ def test_onebit_arguments_default_find_unused_parameters_off(tmp_path):
 
 
 def test_binsgdm_with_clipping_warns(tmp_path, caplog):
-    """Not a refusal: clipping the vote average shrinks BinSGDM's steps; say so."""
+    """Not a refusal: clipping the vote average shrinks BinSGDM's steps; say so. (Left out,
+    ``max_grad_norm`` is 0 for BinSGDM: hf_onebit.integrations.defaults; given, it is kept.)"""
     from hf_onebit import OneBitTrainer, OneBitTrainingArguments
 
     args = OneBitTrainingArguments(output_dir=str(tmp_path), report_to=[], optim="binsgdm", max_steps=1,
-                                   per_device_train_batch_size=2, save_strategy="no")
+                                   per_device_train_batch_size=2, save_strategy="no", max_grad_norm=1.0)
+    assert args.max_grad_norm == 1.0
     data = [{"input_ids": torch.tensor([1, 5, 6, 7]), "labels": torch.tensor(1)}] * 2
     trainer = OneBitTrainer(model=_tiny_bert(), args=args, train_dataset=data)
     with caplog.at_level("WARNING", logger="hf_onebit"):
