@@ -108,19 +108,23 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             mean inside each node, spec §1's 1-bit exchange among the node means between nodes),
             which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
             group to be the whole world; ``None``: by node exactly when those hold; ``False``
-            (default): the spec's exchange among all ranks. Warmup and variance steps stay flat.
+            (default): the spec's exchange among all ranks. Full-precision warmups stay flat; b-bit ones go by node too.
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
             any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
         update_clip: in the compression phase the update is ``u = m/(max(sqrt(v), |m|/update_clip)
             + eps) + wd·p``, so no coordinate of the adaptive share exceeds ``update_clip`` before
-            the trust ratio (``None``, default: the spec's update). 1-bit Adam's bound (see
+            the trust ratio (``None``: the spec's update). 1-bit Adam's bound (see
             :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`): a frozen ``v`` that is small where
             the 1-bit momentum is ``±scale`` would otherwise give that coordinate a step of
             ``scale/sqrt(v)``. The factor ``f`` still compares the unclipped ``sqrt(v)+eps`` with
-            ``sqrt(v_fresh)+eps``. Not per group. The HF integration passes 1.0.
+            ``sqrt(v_fresh)+eps``. Not per group. Default ``1.0`` (``defaults="paper"``: ``None``).
         warmup_bits: how the warmup exchanges the gradient: ``None`` (the spec) at full
             precision, ``8`` or ``4`` with spec §1b's b-bit exchange and error feedback (see
             :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`).
+        defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
+            that is left out takes its measured value; ``"paper"``: the spec's value instead.
+        total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
+            :meth:`~hf_onebit.optim.freeze.FreezeSchedule.fit_to_run`).
     """
 
     def __init__(
@@ -148,7 +152,8 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     ) -> None:
         # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
         freeze_step, scale_per_tensor, update_clip, warmup_bits = resolve_defaults(
-            "OneBitLamb", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip, warmup_bits=warmup_bits
+            "OneBitLamb", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip,
+            warmup_bits=warmup_bits
         ).values()
         self.init_freeze(freeze_step, "freeze_step", total_steps)
         self.update_clip = check_update_clip(update_clip)

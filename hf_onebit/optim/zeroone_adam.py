@@ -88,24 +88,24 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             mean inside each node, spec §1's 1-bit exchange among the node means between nodes),
             which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
             group to be the whole world; ``None``: by node exactly when those hold; ``False``
-            (default): the spec's exchange among all ranks. Warmup and variance steps stay flat.
+            (default): the spec's exchange among all ranks. Full-precision variance steps stay flat; b-bit ones go by node too.
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
             any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
         update_clip: on every step that does not update the variance (1-bit gradient steps and
             local steps) divide by ``max(sqrt(v̂), |m|/update_clip) + eps``, so no coordinate
             moves by more than ``update_clip·lr`` (plus weight decay); at a sync the move
             ``ū/(sqrt(v̂)+eps)`` is bounded the same way by ``update_clip·λ``, dividing by
-            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. ``None`` (default): the spec's update.
+            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. Default ``1.0``; ``None``: the spec's update.
             It is 1-bit Adam's bound (see :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`) in
             0/1 Adam's two places where a stale variance meets compression noise. The HF
             integration passes 1.0.
         clip_synced_momentum: with ``update_clip``, whether a local step followed at once by a
             sync (λ = lr: every local-phase step with the default ``local_step_scaler``) adds its
             clipped step to the accumulator ``u``, as every other local step does. ``u`` becomes
-            the momentum the sync restores, so ``True`` (default) clips the momentum itself to
+            the momentum the sync restores, so ``True`` (the paper's preset) clips the momentum itself to
             ``update_clip·sqrt(v̂)``; ``False`` adds the unclipped step and leaves the bound to
             the sync's clip (the same ``update_clip·lr`` here). Which is better depends on the
-            run (docs/algorithms.md, "Update clip"); the HF integration passes ``False``.
+            run (docs/algorithms.md, "Update clip"); the default is ``False``.
         sync_in_momentum_units: at a sync, compress ``u ⊙ (sqrt(v)+eps) / λ`` (the mean momentum
             since the last sync) instead of ``u ⊙ (sqrt(v)+eps)`` (the spec: a sum of
             learning-rate-weighted momenta), and multiply the average by ``λ`` again. The error
@@ -117,6 +117,10 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         warmup_bits: how the variance steps exchange the gradient: ``None`` (the spec) at full
             precision, ``8`` or ``4`` with spec §1b's b-bit exchange, whose error feedback shares
             the 1-bit steps' error buffers (both carry the gradient's residual).
+        defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
+            that is left out takes its measured value; ``"paper"``: the spec's value instead.
+        total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
+            :meth:`~hf_onebit.optim.freeze.FreezeSchedule.fit_to_run`).
 
     Phases and what each step communicates (``n`` ranks):
 
@@ -213,7 +217,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
     ) -> None:
         # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
         var_freeze_step, scale_per_tensor, update_clip, clip_synced_momentum, warmup_bits = resolve_defaults(
-            "ZeroOneAdam", defaults, var_freeze_step=var_freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip, clip_synced_momentum=clip_synced_momentum, warmup_bits=warmup_bits
+            "ZeroOneAdam", defaults, var_freeze_step=var_freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip,
+            clip_synced_momentum=clip_synced_momentum, warmup_bits=warmup_bits
         ).values()
         self.update_clip = check_update_clip(update_clip)
         self.warmup_bits = check_warmup_bits(warmup_bits)
