@@ -230,6 +230,7 @@ def goals(results: dict) -> list[str]:
                 b = row["sps_run"] / base["sps_run"]
                 out.append(f"{fmt(min(a, b) >= 0.95)} unlimited: {row['label']} >= 0.95x AdamW samples/s:"
                            f" {a:.2f}x compression phase, {b:.2f}x whole run")
+    out += whole_run_goals(results)
     if rates:
         rows = rates[0]["summary"]["rows"]
         base = rows["adamw"]
@@ -244,6 +245,55 @@ def goals(results: dict) -> list[str]:
             fr = 1 - zo["rounds_run"] / ob["rounds_run"]
             out.append(f"{fmt(fb >= 0.8)} 0/1 Adam >= 80% fewer bytes than 1-bit Adam over the whole run: {100 * fb:.0f}%")
             out.append(f"{fmt(fr >= 0.5)} 0/1 Adam >= 50% fewer rounds than 1-bit Adam over the whole run: {100 * fr:.0f}%")
+    return out
+
+
+#: the phases in which a method still exchanges its warmup (1-bit Adam and LAMB: warmup; 0/1 Adam: variance)
+WARMUP_PHASES = ("warmup", "variance")
+
+
+def warmup_speed(row: dict, base: dict) -> float | None:
+    """AdamW's time over this method's warmup steps / the method's time over the same steps.
+
+    The steps are ``2 .. w``, ``w`` the last step whose recorded phase is a warmup phase (step 1
+    pays DDP's first-iteration bucket and the buffers' allocation in every method); both times
+    are wall times of the slowest rank (``row["t"]``: the end of every step). ``None`` without
+    two warmup steps.
+    """
+    phases = row["phases"]
+    last = max((s for s, ph in enumerate(phases) if ph in WARMUP_PHASES), default=None)
+    if last is None or last < 2 or row is base:
+        return None
+    span = lambda r: r["t"][last] - r["t"][0]  # steps 2 .. last + 1 (0-based: 1 .. last)
+    return span(base) / span(row)
+
+
+def whole_run_goals(results: dict) -> list[str]:
+    """The whole run at the library's defaults: every method against AdamW and PowerSGD at the
+    slowest rate with AdamW, and the warmup's cost on the unthrottled loopback."""
+    fmt = lambda ok: "MET " if ok else "MISSED"
+    out = []
+    for r in results["rates"]:
+        rows = r["summary"]["rows"]
+        base, ps = rows.get("adamw"), rows.get("powersgd")
+        if base is None:
+            continue
+        ours = {m: row for m, row in rows.items() if m in ("onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm")}
+        if r["bits_per_s"] is not None:
+            for m, row in ours.items():
+                x = row["sps_run"] / base["sps_run"]
+                need = 4.5 if m == "onebit_adam" else 4.0
+                out.append(f"{fmt(x >= need)} whole run at {r['rate']}: {row['label']} >= {need}x AdamW samples/s: {x:.2f}x")
+                if ps:
+                    y = row["sps_run"] / ps["sps_run"]
+                    out.append(f"{fmt(y >= 1.3)} whole run at {r['rate']}: {row['label']} >= 1.3x PowerSGD samples/s:"
+                               f" {y:.2f}x")
+        else:
+            for m, row in ours.items():
+                w = warmup_speed(row, base)
+                if w is not None:
+                    out.append(f"{fmt(w >= 0.95)} unlimited: {row['label']}'s warmup >= 0.95x AdamW samples/s over the"
+                               f" same steps: {w:.2f}x")
     return out
 
 
