@@ -75,7 +75,7 @@ from hf_onebit.comm.compat import all_gather_into_tensor
 from hf_onebit.comm.executor import executor_for
 from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
 from hf_onebit.kernels import get_backend, load_backend
-from hf_onebit.kernels.contract import WIDTHS
+from hf_onebit.kernels.contract import WIDTHS, Bounds
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class CompressedAllReduce:
         self.piece_sizes = None if piece_sizes is None else tuple(int(v) for v in piece_sizes)
         if self.piece_sizes is not None and sum(self.piece_sizes) != self.numel:
             raise ValueError(f"piece_sizes sum to {sum(self.piece_sizes)}, the buffer has {self.numel} elements")
-        self._bounds: list[int] | None = None
+        self._bounds: Bounds | None = None
         if self.piece_sizes is not None and n > 1 and self.padded_numel > 0:
             self._setup_pieces(piece_bounds(self.piece_sizes, self.padded_numel, n))
         if deferred_commit:
@@ -196,14 +196,16 @@ class CompressedAllReduce:
         n, C = self.world_size, self.chunk
         f32 = dict(dtype=torch.float32, device=self.device)
         u8 = dict(dtype=torch.uint8, device=self.device)
-        self._bounds = bounds
+        # Bounds own the backend's tables for this layout (built on first use, kept while this
+        # all-reduce lives: nothing is rebuilt per call, whatever the number of segments).
+        self._bounds = bounds = Bounds(bounds)
         self.num_pieces = P = len(bounds) - 1
         # Pieces [first[j], first[j + 1]) lie in chunk j (chunk boundaries are bounds).
         first = [bounds.index(j * C) for j in range(n)] + [P]
         self._chunk_pieces = [(first[j], first[j + 1]) for j in range(n)]
         self.max_chunk_pieces = max(hi - lo for lo, hi in self._chunk_pieces)
         lo, hi = self._chunk_pieces[self.rank]
-        self._local_bounds = [b - self.rank * C for b in bounds[lo : hi + 1]]
+        self._local_bounds = Bounds(b - self.rank * C for b in bounds[lo : hi + 1])
         # Where piece p's server scale sits in the gathered (n, P_max) scales.
         self._gather_index = torch.tensor(
             [j * self.max_chunk_pieces + q for j, (a, b) in enumerate(self._chunk_pieces) for q in range(b - a)],

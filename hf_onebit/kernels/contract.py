@@ -64,6 +64,23 @@ class KernelBackend(Protocol):
                        bounds=None) -> None: ...
 
 
+class Bounds(tuple):
+    """Piece bounds (host ints) that own their backend's derived tables for as long as they live.
+
+    A plain sequence works as ``bounds=`` everywhere; a caller that calls the kernels again and
+    again with one static layout (:class:`~hf_onebit.comm.compressed.CompressedAllReduce`, one per
+    segment) passes a ``Bounds`` so that a backend builds its tables for that layout once and
+    keeps them in :attr:`tables` (e.g. the Triton tile tables, which cost host-to-device copies),
+    whatever the number of layouts alive, and frees them with the layout.
+    """
+
+    def __new__(cls, values):
+        self = super().__new__(cls, (int(v) for v in values))
+        #: backend -> its tables for this layout (e.g. keyed by length, block and device)
+        self.tables = {}
+        return self
+
+
 #: the functions every backend module defines (the members of :class:`KernelBackend`)
 OPERATIONS = tuple(name for name in vars(KernelBackend) if not name.startswith("_"))
 

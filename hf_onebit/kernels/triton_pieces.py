@@ -6,9 +6,10 @@ first starting at the piece's start). A program loads its tile's start and piece
 small table, so it needs one scale and never a per-element lookup. Per-piece sums of squares
 are one float64 partial per tile, then a deterministic segmented sum (one program per piece
 adds its tiles in order). The tables depend only on the bounds and the block size, which are
-static for a compressed all-reduce, so they are built once on the host and cached on the
-device. The finite checks of the piece variants are one tiny device op (``isfinite().all()``)
-whose flag the kernels read, so they never sync with the host either.
+static for a compressed all-reduce, so they are built once on the host, copied to the
+device and kept by the layout (:class:`~hf_onebit.kernels.contract.Bounds`, see :func:`_tables`).
+The finite checks of the piece variants are one tiny device op (``isfinite().all()``) whose flag
+the kernels read, so they never sync with the host either.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ from .triton_piece_kernels import (
 _SEGMENT_R = 256  # tile partials summed per step of the segmented sum
 
 
-@functools.lru_cache(maxsize=512)
-def _tile_table(bounds: tuple, block: int, device: torch.device) -> tuple:
-    """Device tables for ``bounds`` tiled by ``block``: built once per static layout.
+def _build_table(bounds: tuple, block: int, device: torch.device) -> tuple:
+    """Device tables for ``bounds`` tiled by ``block`` (five host-to-device copies).
 
     Returns ``(bounds, tile_start, tile_piece, tile_lo, counts, tiles)``: tile ``t`` starts at
     element ``tile_start[t]`` of piece ``tile_piece[t]``; piece ``p`` owns tiles
@@ -58,8 +58,30 @@ def _tile_table(bounds: tuple, block: int, device: torch.device) -> tuple:
     )
 
 
+@functools.lru_cache(maxsize=512)
+def _tile_table(bounds: tuple, block: int, device: torch.device) -> tuple:
+    """:func:`_build_table` for plain-sequence bounds (ad hoc calls), a bounded cache."""
+    return _build_table(bounds, block, device)
+
+
 def _tables(bounds, length: int, block: int, device: torch.device) -> tuple:
-    return _tile_table(tuple(check_bounds(bounds, length)), block, torch.device(device))
+    """The tables of ``bounds`` over ``length`` elements, tiled by ``block``, on ``device``.
+
+    Built once per static layout: for :class:`~hf_onebit.kernels.contract.Bounds` (what
+    :class:`~hf_onebit.comm.compressed.CompressedAllReduce` passes, one pair per segment) they
+    live in the layout itself, so they are never rebuilt while the segment lives, however many
+    segments there are (no host-to-device copy in the steady state, so nothing blocks inside
+    the communication hook). Plain sequences go through a bounded LRU cache.
+    """
+    device = torch.device(device)
+    owned = getattr(bounds, "tables", None)
+    if owned is None:
+        return _tile_table(tuple(check_bounds(bounds, length)), block, device)
+    key = ("triton", length, block, device)
+    table = owned.get(key)
+    if table is None:
+        table = owned[key] = _build_table(tuple(check_bounds(bounds, length)), block, device)
+    return table
 
 
 def _piece_rms(partials: torch.Tensor, table: tuple) -> torch.Tensor:

@@ -344,3 +344,56 @@ def _piece_world_size_one(rank, world_size):
 
 def test_scale_per_tensor_world_size_one_returns_input_untouched():
     assert run_distributed(_piece_world_size_one, 1) == [True]
+
+
+# ---------------------------------------------------------------- Triton tables per segment
+MANY_SEGMENTS = 260  # two layouts each (worker bounds, server bounds): more than 512 in all
+
+
+def _triton_tables_steady_state(rank, world_size, segments, real_calls):
+    """Host-to-device table copies (``torch.tensor(list, device=...)``) per round of calls.
+
+    The first ``real_calls`` segments run the real all-reduce (Triton kernels, interpreted on
+    CPU); for every segment, the round also looks up the tables exactly as those kernels do
+    (same bounds objects, lengths, block and device): launching 520 interpreted all-reduces
+    per round would take minutes.
+    """
+    from hf_onebit.comm import CompressedAllReduce
+    from hf_onebit.kernels import triton_pieces
+    from hf_onebit.kernels.triton import DEFAULT_BLOCK
+
+    # one layout per segment, as in a real model (equal layouts would share their tables)
+    sizes = [[8, 16 * (i + 1)] for i in range(segments)]
+    states = [CompressedAllReduce(sum(s), kernels="triton", piece_sizes=s) for s in sizes]
+    real_tensor, calls = torch.tensor, []
+
+    def counting_tensor(*args, **kwargs):
+        calls.append(1)
+        return real_tensor(*args, **kwargs)
+
+    per_round = []
+    torch.tensor = counting_tensor
+    try:
+        for _ in range(2):
+            calls.clear()
+            for i, state in enumerate(states):
+                if i < real_calls:
+                    state(torch.full((state.numel,), float(i + 1 + rank)))
+                for bounds, length in ((state._bounds, state.padded_numel), (state._local_bounds, state.chunk)):
+                    triton_pieces._tables(bounds, length, DEFAULT_BLOCK, state.device)
+            per_round.append(len(calls))
+    finally:
+        torch.tensor = real_tensor
+    return per_round
+
+
+def test_triton_tables_are_built_once_per_segment_however_many_segments():
+    """Finding 3: the piece tables live with their segment's layout, so above 256 segments the
+    steady state still builds none (no blocking host-to-device copy inside the hook on CUDA)."""
+    from tests.requirements import require
+
+    require("triton", "triton is not installed: the Triton kernels cannot be tested")
+    outs = run_distributed(_triton_tables_steady_state, 2, MANY_SEGMENTS, 2)
+    for first, second in outs:
+        assert first == 5 * 2 * MANY_SEGMENTS  # each segment's two layouts, built once
+        assert second == 0, f"{second} host-to-device table copies in the steady state"
