@@ -40,11 +40,23 @@ class Segment:
         """fp32 buffer of ``numel`` elements, allocated on first use and reused.
 
         Not needed when a bucket *is* the segment and holds fp32: then the bucket's own buffer
-        is compressed in place (the common case, which saves 4 bytes per parameter).
+        is compressed in place (the common case, which saves 4 bytes per parameter), and the
+        hook frees a buffer left from an earlier multi-segment bucket (:meth:`release_work`).
         """
         if self._work is None:
             self._work = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         return self._work
+
+    def release_work(self) -> None:
+        """Free the work buffer: a bucket that *is* this segment is compressed in place.
+
+        A segment needs the buffer when a bucket spans several segments (DDP's one-bucket first
+        iteration after a resume or a re-wrap) or when it is exchanged outside a bucket (0/1
+        Adam's sync). Once its own bucket arrives the buffer would only hold 4 bytes per
+        parameter for the rest of the run, so the hook releases it (a later use allocates a
+        fresh one, see :attr:`work`).
+        """
+        self._work = None
 
     def views(self, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(p, p's flat range of work)`` for each parameter of the segment, in key order

@@ -62,6 +62,10 @@ def compress_bucket(opt: OneBitOptimizer, call, segments: list[Segment]) -> torc
     )
     if in_place:
         # The bucket is the segment: prepare, compress and finish in the bucket's own buffer.
+        # A work buffer left by a multi-segment bucket (the first one after a resume or a
+        # re-wrap) is no longer needed: keeping it would cost 4 bytes per parameter for good.
+        # (Its last use, last step's exchange, is complete: DDP waited for it before step().)
+        seg0.release_work()
         for p, g in zip(params, grads):
             opt.prepare_send(plan, p, g, g.reshape(-1), inv)
         seg0.comm(buffer, width=width)

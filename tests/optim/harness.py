@@ -149,7 +149,10 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
             torch.save(opt.rank_state_dict(), os.path.join(save_dir, f"rank{rank}.pt"))
             dist.barrier()
     segments = sorted(opt.segments.keys())
-    out = {"history": history, "segments": segments, "stats": opt.onebit_stats(), "global": opt.global_state()}
+    out = {"history": history, "segments": segments, "stats": opt.onebit_stats(), "global": opt.global_state(),
+           # the segments that hold a work buffer, and the bucket layout of the last step
+           "work_held": sorted(seg.key for seg in opt.segments if seg._work is not None),
+           "last_layout": sorted(opt.link.layout) if opt.link is not None and opt.link.layout else []}
     if record_steps:
         out["steps"] = per_step
     return out

@@ -160,6 +160,26 @@ def test_resume_continues_bitwise(tmp_path, save_at, warmup_bits):
             assert torch.equal(a, b)
 
 
+def test_resume_keeps_no_work_buffer_once_buckets_are_compressed_in_place(tmp_path):
+    """Finding 6: the first bucket after a resume spans several segments, each compressed through
+    a work buffer; once later buckets equal their segments (compressed in place) no work buffer
+    is kept (4 bytes per parameter), and the run stays bitwise the uninterrupted one."""
+    save_at, steps = 8, 10
+    kwargs = dict(lr=1e-2, freeze_step=5)
+    full = run_distributed(train, 2, "OneBitAdam", kwargs, steps, str(tmp_path), save_at)
+    after_one = run_distributed(train, 2, "OneBitAdam", kwargs, 1, None, None, str(tmp_path), 0.01, save_at)
+    resumed = run_distributed(train, 2, "OneBitAdam", kwargs, steps - save_at, None, None, str(tmp_path),
+                              0.01, save_at)
+    for r in range(2):
+        assert len(after_one[r]["last_layout"]) == 1 and len(after_one[r]["segments"]) > 1
+        assert after_one[r]["work_held"]  # the one-bucket step after the resume needed them
+        in_place = set(resumed[r]["last_layout"]) & set(resumed[r]["segments"])
+        assert in_place == set(resumed[r]["segments"])  # every bucket is its segment again
+        assert not in_place & set(resumed[r]["work_held"]), "work buffers outlive the resume"
+        for a, b in zip(full[r]["history"][-1], resumed[r]["history"][-1]):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("world_size,width,per_tensor", [(2, 8, True), (3, 4, True), (2, 8, False)])
 def test_b_bit_warmup_trajectory_matches_simulation_through_the_freeze(world_size, width, per_tensor):
     """warmup_bits: the warmup's gradient goes through spec §1b per DDP bucket (error state per
