@@ -22,6 +22,15 @@ Policies when the file cannot be used as is (``on_mismatch``):
   moments zero. Moments and the frozen variance from ``state_dict()`` are kept. This is also the
   policy for resuming on a different world size or node layout, where error buffers cannot be
   re-split meaningfully (each rank's server error belongs to a chunk that no longer exists).
+
+Every rank must load or every rank must reset: a restored rank splits DDP's first bucket along
+its saved segments, a reset one does not, so their exchanges would differ (gloo errors, NCCL
+hangs). Loading therefore ends with one small all-gather of each rank's verdict, and when the
+ranks disagree (some files usable, some not) *every* rank raises :class:`RankStateError`, under
+either policy, naming the ranks and files at fault: restore those files, or start every rank
+afresh (``optimizer.reset_rank_state()`` on every rank). ``"reset"`` resets only when every
+rank must; under ``"error"`` a rank whose file is unusable raises its own error and the other
+ranks raise one naming it.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from hf_onebit.comm.compat import all_gather_bytes
 from hf_onebit.optim import rank_state
 from hf_onebit.optim.base import OneBitOptimizer, logger
 
@@ -152,7 +162,9 @@ def load_rank_state(
 ) -> bool:
     """Restore this rank's state from ``directory``; returns True if it was loaded, False if reset.
 
-    Call it after ``optimizer.load_state_dict(...)`` and after :func:`hf_onebit.attach`.
+    Call it after ``optimizer.load_state_dict(...)`` and after :func:`hf_onebit.attach`, on every
+    rank (it ends with one small all-gather: all ranks load, or all reset, or all raise; see the
+    module docstring).
     """
     state = read_rank_state(optimizer, directory, on_mismatch)
     if state is None:
@@ -173,6 +185,7 @@ def read_rank_state(
         raise ValueError(f"on_mismatch must be 'error' or 'reset', got {on_mismatch!r}")
     rank, world = file_rank(optimizer)
     pt_path, json_path = rank_state_paths(directory, rank, world)
+    state, failure = None, None
     try:
         if not os.path.exists(pt_path):
             others = sorted(f for f in os.listdir(directory) if f.startswith("hf_onebit_rank")) if os.path.isdir(directory) else []
@@ -184,9 +197,38 @@ def read_rank_state(
             raise RankStateError(f"no per-rank state for rank {rank} of {world}: {pt_path} is missing")
         state = _verified_state(optimizer, pt_path, json_path)
     except RankStateError as exc:
-        if on_mismatch == "error":
-            raise RankStateError(f"{exc}. To start this rank's compression state afresh instead, pass on_mismatch='reset'.") from exc
-        logger.warning("hf_onebit: %s; starting rank %d's compression state afresh (on_mismatch='reset')", exc, rank)
+        failure = exc
+    # Every rank must decide alike: a restored rank splits DDP's first bucket along its saved
+    # segments, a reset one does not, and their exchanges would no longer match (gloo errors,
+    # NCCL hangs or reads garbage). One small all-gather, then the same outcome everywhere.
+    failed = _failures_on_every_rank(optimizer, None if failure is None else str(failure))
+    if failure is not None and on_mismatch == "error":
+        raise RankStateError(f"{failure}. To start this rank's compression state afresh instead, pass on_mismatch='reset'.") from failure
+    if failed and (on_mismatch == "error" or len(failed) < world):
+        listed = "; ".join(f"rank {r}: {why}" for r, why in list(failed.items())[:4])
+        more = f" (and {len(failed) - 4} more)" if len(failed) > 4 else ""
+        how = " (on_mismatch='reset' resets every rank or none)" if on_mismatch == "reset" else ""
+        raise RankStateError(
+            f"hf_onebit: rank(s) {sorted(failed)} of {world} cannot use their per-rank state in {directory}"
+            f"{more} ({listed}), the other ranks can. Every rank stops: ranks that restore their state and ranks"
+            " that start afresh would build different exchanges (different segments) and hang or fail in the next"
+            f" backward{how}. Restore the missing or unusable file(s), or start every rank afresh: call"
+            " optimizer.reset_rank_state() on every rank instead of loading the per-rank state."
+        ) from failure
+    if failure is not None:  # on_mismatch="reset", and every rank resets
+        logger.warning("hf_onebit: %s; starting rank %d's compression state afresh (on_mismatch='reset')", failure, rank)
         optimizer.reset_rank_state()
         return None
     return state
+
+
+def _failures_on_every_rank(optimizer: OneBitOptimizer, failure: str | None) -> dict[int, str]:
+    """``{rank: why}`` for every rank (global ranks, see :func:`file_rank`) whose per-rank state
+    cannot be used: one small all-gather when distributed, so every rank sees the same answer."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {} if failure is None else {file_rank(optimizer)[0]: failure}
+    params = optimizer.params_in_order()
+    device = params[0].device if params else torch.device("cpu")
+    mine = json.dumps(None if failure is None else failure[:300]).encode()
+    everyone = [json.loads(b.decode()) for b in all_gather_bytes(mine, device, None)]
+    return {r: why for r, why in enumerate(everyone) if why is not None}

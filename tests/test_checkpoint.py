@@ -75,6 +75,50 @@ def test_another_world_size_is_refused_then_reset_on_request(tmp_path):
         assert torch.equal(a, b) and torch.isfinite(a).all()
 
 
+def _resume_catching(rank, world_size, directory, on_mismatch):
+    """The resume's error on this rank (None: it went on training) and how long loading took."""
+    import time
+
+    import hf_onebit.checkpoint as checkpoint
+
+    real, seconds = checkpoint.load_rank_state, []
+
+    def timed(*args, **kwargs):
+        start = time.monotonic()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            seconds.append(time.monotonic() - start)
+
+    checkpoint.load_rank_state = timed  # _run imports it at call time
+    try:
+        _run(rank, world_size, "OneBitAdam", 8, directory, None, True, on_mismatch)
+    except checkpoint.RankStateError as exc:
+        return str(exc), seconds[0]
+    finally:
+        checkpoint.load_rank_state = real
+    return None, seconds[0]
+
+
+@pytest.mark.parametrize("on_mismatch", ["reset", "error"])
+def test_one_rank_without_usable_state_stops_every_rank(tmp_path, on_mismatch):
+    """Finding 5: with rank 1's file missing, rank 1 alone would reset (or raise) while rank 0
+    restores its segments and goes on into an exchange rank 1 does not make (gloo errors, NCCL
+    hangs). Every rank raises at load time instead, within seconds, naming rank 1 and the fix."""
+    run_distributed(_run, 2, "OneBitAdam", 6, str(tmp_path), 5)
+    for ext in ("pt", "json"):
+        os.remove(tmp_path / f"hf_onebit_rank1_of2.{ext}")
+    outs = run_distributed(_resume_catching, 2, str(tmp_path), on_mismatch, pg_timeout=20, timeout=120)
+    for rank, (error, seconds) in enumerate(outs):
+        assert error is not None, f"rank {rank} went on training"
+        assert seconds < 15
+    assert "no per-rank state for rank 1 of 2" in outs[1][0]
+    assert "rank(s) [1] of 2 cannot use their per-rank state" in outs[0][0]
+    assert "reset_rank_state() on every rank" in outs[0][0]
+    if on_mismatch == "reset":
+        assert outs[0][0] == outs[1][0]  # the same error everywhere
+
+
 # ---------------------------------------------------------------- single process: file checks
 def _saved(tmp_path):
     import hf_onebit

@@ -11,10 +11,14 @@ accelerate) and ``M = n/k`` nodes, rank ``r`` is local rank ``r % k`` of node ``
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+
+from hf_onebit.comm.compat import all_gather_bytes
 
 
 @dataclass
@@ -64,3 +68,24 @@ def node_topology(world_size: int, group=None) -> NodeTopology:
         raise ValueError("the DDP process group is not the whole world (ranks 0..n-1 in order)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     return NodeTopology(k, n // k, rank // k, rank % k)
+
+
+def check_same_local_world_size(device: torch.device, group=None, who: str = "hf_onebit") -> None:
+    """Refuse ranks that read different ``LOCAL_WORLD_SIZE`` values (uneven nodes, e.g. 8 + 4
+    ranks): each would decide on its own whether to exchange by node and build different
+    process groups and exchanges, which hangs (``new_group`` on some ranks only) or mixes
+    collectives. One small all-gather over ``group``, at attach time; raises the same
+    ``ValueError`` on every rank. Call it on every rank of ``group`` at the same point.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    mine = os.environ.get("LOCAL_WORLD_SIZE")
+    everyone = [json.loads(b.decode()) for b in all_gather_bytes(json.dumps(mine).encode(), device, group)]
+    other = next((r for r, v in enumerate(everyone) if v != everyone[0]), None)
+    if other is not None:
+        shown = lambda v: "unset" if v is None else v  # noqa: E731
+        raise ValueError(
+            f"{who}: LOCAL_WORLD_SIZE differs between ranks ({shown(everyone[0])} on rank 0, {shown(everyone[other])}"
+            f" on rank {other}): the ranks would build different exchanges by node and hang. Pass"
+            " hierarchical=False (the flat exchange), or launch the same number of ranks on every node."
+        )

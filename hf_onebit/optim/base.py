@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce
 from hf_onebit.comm.segments import Segment, SegmentRegistry
-from hf_onebit.comm.topology import NodeTopology, node_topology
+from hf_onebit.comm.topology import NodeTopology, check_same_local_world_size, node_topology
 from hf_onebit.optim import adam_state, guards, rank_state
 from hf_onebit.optim.tensors import write_flat_
 from hf_onebit.optim.validation import check_betas, check_bool, check_common
@@ -195,11 +195,18 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
         Decided once, from ``LOCAL_WORLD_SIZE`` and the world size: ``hierarchical=True`` needs a
         layout (``ValueError`` naming why there is none), ``None`` takes one where there is one.
+        Unless ``hierarchical=False``, the first call is collective (attach makes it on every rank):
+        every rank must read the same ``LOCAL_WORLD_SIZE``, or every rank raises ``ValueError``.
         """
         if self._nodes is False:
             if self.hierarchical is False or not dist.is_initialized() or self.world_size == 1:
                 self._nodes = None
             else:
+                # Every rank must decide alike: one small all-gather (first called by attach's
+                # create_node_groups, on every rank) refuses LOCAL_WORLD_SIZE differing between ranks.
+                params = self.params_in_order()
+                device = params[0].device if params else torch.device("cpu")
+                check_same_local_world_size(device, self.process_group, type(self).__name__)
                 self._nodes = self._node_layout(self.world_size, self.process_group)
         return self._nodes
 

@@ -33,3 +33,42 @@ def test_rank_zero_of_two_nodes_of_four(monkeypatch):
     topo = node_topology(8)
     assert topo == NodeTopology(local_size=4, nodes=2, node=0, local_rank=0)
     assert topo.node_group is None and topo.inter_group is None  # made by create_groups(), collectively
+
+
+def _attach_with_local_world_size(rank, world_size, local_sizes):
+    """BinSGDM with hierarchical=None (by node where LOCAL_WORLD_SIZE allows), attached on ranks
+    that read different LOCAL_WORLD_SIZE values (uneven nodes)."""
+    import os
+    import time
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_onebit
+    from tests.optim.harness import FixedGradModel
+
+    os.environ["LOCAL_WORLD_SIZE"] = local_sizes[rank]
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    opt = hf_onebit.BinSGDM(model.parameters(), lr=1e-2)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    start = time.monotonic()
+    try:
+        hf_onebit.attach(ddp, opt)
+    except ValueError as exc:
+        return str(exc), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_uneven_nodes_fail_fast_on_every_rank():
+    """Finding 5: 2 + 2 ranks reading LOCAL_WORLD_SIZE=2 and 2 reading 4 would decide differently
+    whether to exchange by node (new_group on some ranks only: a hang). Every rank refuses it at
+    attach, within seconds, naming the fix."""
+    from tests.distributed import run_distributed
+
+    outs = run_distributed(_attach_with_local_world_size, 4, ["2", "2", "4", "4"], pg_timeout=20, timeout=120)
+    for error, seconds in outs:
+        assert error is not None, "a rank attached with a node layout the others do not share"
+        assert "LOCAL_WORLD_SIZE differs between ranks (2 on rank 0, 4 on rank 2)" in error
+        assert "hierarchical=False" in error
+        assert seconds < 15
