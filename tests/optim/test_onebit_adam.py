@@ -36,6 +36,19 @@ def test_warmup_equals_adamw_on_the_averaged_gradient(world_size):
     assert outs[0]["stats"]["phase"] == "warmup"
 
 
+def _assert_follows(sim, outs, steps, world_size):
+    """Every rank's parameters after every step: the simulation's, and bitwise the same on all ranks."""
+    for step in range(1, steps + 1):
+        grads = [[g.numpy() for g in fixed_grads(step, r, tiny=True)] for r in range(world_size)]
+        expected = sim.step(grads)
+        for r in range(world_size):
+            for got, want in zip(outs[r]["history"][step - 1], expected):
+                # 1e-5 relative to the tensor's scale: an element that crosses zero has no own scale
+                np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+            for a, b in zip(outs[r]["history"][step - 1], outs[0]["history"][step - 1]):
+                assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_correction, per_tensor=False,
@@ -51,16 +64,7 @@ def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_
     sim = OneBitAdamSimulation(init, world_size, [list(s) for s in segments], lr=1e-2, wd=0.01,
                                freeze_step=freeze, bias_correction=bias_correction, scale_per_tensor=per_tensor,
                                update_clip=update_clip)
-    for step in range(1, steps + 1):
-        grads = [[g.numpy() for g in fixed_grads(step, r, tiny=True)] for r in range(world_size)]
-        expected = sim.step(grads)
-        for r in range(world_size):
-            for got, want in zip(outs[r]["history"][step - 1], expected):
-                # 1e-5 relative to the tensor's scale: an element that crosses zero has no own scale
-                np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-            # parameters are bitwise identical on every rank after every step
-            for a, b in zip(outs[r]["history"][step - 1], outs[0]["history"][step - 1]):
-                assert torch.equal(a, b)
+    _assert_follows(sim, outs, steps, world_size)
     stats = outs[0]["stats"]
     assert stats["phase"] == "compression"
     assert stats["last_step_rounds"] == 3 * len(segments)
@@ -194,14 +198,7 @@ def test_b_bit_warmup_trajectory_matches_simulation_through_the_freeze(world_siz
     sim = OneBitAdamSimulation(init, world_size, [list(s) for s in outs[0]["segments"]], lr=1e-2, wd=0.01,
                                freeze_step=freeze, scale_per_tensor=per_tensor, update_clip=1.0,
                                warmup_bits=width, warmup_layouts=layouts)
-    for step in range(1, steps + 1):
-        grads = [[g.numpy() for g in fixed_grads(step, r, tiny=True)] for r in range(world_size)]
-        expected = sim.step(grads)
-        for r in range(world_size):
-            for got, want in zip(outs[r]["history"][step - 1], expected):
-                np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-            for a, b in zip(outs[r]["history"][step - 1], outs[0]["history"][step - 1]):
-                assert torch.equal(a, b)
+    _assert_follows(sim, outs, steps, world_size)
     plans = [s["plan"] for s in outs[0]["steps"]]
     assert plans == ["quantize_gradient"] * freeze + ["compress_momentum"] * (steps - freeze)
     # a warmup step sends about b/32 of an fp32 all-reduce's bytes (plus scales)
