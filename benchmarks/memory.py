@@ -3,7 +3,8 @@
     python benchmarks/memory.py [--world-size 2]
 
 Trains a small BERT from a config on ``--world-size`` gloo ranks with each optimizer until it is
-in its communication-saving phase, then walks every tensor the optimizer object holds (optimizer
+in its communication-saving phase (``--phase warmup``: 6 steps into its warmup, with the 8-bit
+exchange's error and work buffers; ``--warmup-bits none`` for a full-precision warmup), then walks every tensor the optimizer object holds (optimizer
 state, compression segments, work buffers, pending buffers; each storage counted once) and
 prints bytes per model parameter, beside torch's AdamW for reference. The model's own weights
 and gradients are not counted.
@@ -55,14 +56,26 @@ def tensor_bytes(root) -> int:
     return total
 
 
-def _measure(rank, world_size):
+def _configs(phase: str, warmup_bits) -> dict:
+    """The optimizers' arguments: freeze at step 2 (compression phase) or at step 100 (warmup)."""
+    if phase == "compression":
+        out = {k: dict(v) for k, v in CONFIGS.items()}
+    else:
+        out = {"AdamW": {}, "OneBitAdam": dict(freeze_step=100), "ZeroOneAdam": dict(var_freeze_step=100),
+               "OneBitLamb": dict(freeze_step=100)}
+    for name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb"):
+        out[name]["warmup_bits"] = warmup_bits
+    return out
+
+
+def _measure(rank, world_size, configs=CONFIGS):
     import hf_onebit
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=512, max_position_embeddings=64, num_labels=2)
     rows = {}
-    for name, kwargs in CONFIGS.items():
+    for name, kwargs in configs.items():
         torch.manual_seed(0)
         model = BertForSequenceClassification(config)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -95,8 +108,11 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--phase", choices=["compression", "warmup"], default="compression")
+    parser.add_argument("--warmup-bits", default="8", choices=["8", "4", "none"])
     args = parser.parse_args()
-    rows = run_distributed(_measure, args.world_size, timeout=900)[0]
+    bits = None if args.warmup_bits == "none" else int(args.warmup_bits)
+    rows = run_distributed(_measure, args.world_size, _configs(args.phase, bits), timeout=900)[0]
     numel = next(iter(rows.values()))[2]
     print(f"model: BERT from a config, {numel:,} parameters; {args.world_size} ranks; fp32 model")
     print(f"{'optimizer':<12} {'phase':<12} {'bytes/param':>12} {'vs AdamW':>9}")
