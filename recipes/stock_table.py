@@ -112,7 +112,7 @@ def summary(out: Path, optim: str, seed: int, freeze: int | None = None) -> dict
     if not f.is_file():
         return None
     r = json.loads(f.read_text())
-    log = (f.parent / "run.log").read_text() if (f.parent / "run.log").is_file() else ""
+    log = (f.parent / "run.log").read_text(errors="replace") if (f.parent / "run.log").is_file() else ""
     return {"accuracy": 100 * r["eval_accuracy"], "loss": r["eval_loss"],
             "ratio": float(r.get("onebit/ratio_vs_ddp", 1.0)),
             "decisions": sorted({m.group(1).strip() for m in DECISIONS.finditer(log)})}

@@ -67,3 +67,16 @@ def test_an_experiment_in_its_own_folder_is_paired_with_adamw_from_another(tmp_p
                               line.startswith("| zeroone_adam")]
     assert "81.10" in adamw_row
     assert "| -0.80 |" in zeroone_row and "**missed**" in zeroone_row  # 80.30 - 81.10, outside 0.5 points
+
+
+def test_a_log_with_bytes_that_are_not_utf8_is_still_summarized(tmp_path):
+    """A run's log prints the data's text, which the tweets task holds in cp1252 (0x96, an en
+    dash): the table must still read the run instead of stopping at its log."""
+    run = tmp_path / "onebit_adam-seed42"
+    run.mkdir()
+    (run / "all_results.json").write_text(json.dumps({"eval_accuracy": 0.5, "eval_loss": 0.7,
+                                                      "onebit/ratio_vs_ddp": 8.4}))
+    (run / "run.log").write_bytes(b"text \x96 text\nhf_onebit OneBitAdam: auto freeze chose step 96: max_step\n")
+    row = stock_table.summary(tmp_path, "onebit_adam", 42)
+    assert row["accuracy"] == 50.0 and row["ratio"] == 8.4
+    assert any("auto freeze chose step 96" in d for d in row["decisions"])
