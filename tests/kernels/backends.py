@@ -15,6 +15,11 @@ under ``CI=true``, see :mod:`tests.requirements`).
 The interpreter must be on before triton is first imported (the ``triton.jit`` decorators read
 ``TRITON_INTERPRET``), hence the first lines below (tests/conftest.py sets it too when no GPU is
 there).
+
+``HF_ONEBIT_TEST_TRITON_DEVICE=cuda`` runs the same suites on a GPU instead: the Triton backend's
+kernels are compiled for the device, and each call copies its tensor arguments there and every
+argument (the in-place outputs) and the result back, so the tests, written for CPU tensors, check
+the device's bits against the CPU reference unchanged. Run only the ``test_backend_*.py`` files so.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ import importlib
 import math
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+#: "cuda": the Triton backend runs compiled on the GPU (see above), not in the interpreter
+ON_DEVICE = os.environ.get("HF_ONEBIT_TEST_TRITON_DEVICE") == "cuda"
+if not ON_DEVICE:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -52,6 +60,12 @@ TUNED = ("worker_scale", "worker_pack", "server_average", "server_scale", "serve
 def load_triton():
     """:mod:`hf_onebit.kernels.triton` with interpreted kernels, or skip the calling test."""
     require("triton", "triton is not installed: the Triton kernels cannot be tested")
+    if ON_DEVICE:
+        if not torch.cuda.is_available():
+            pytest.skip("HF_ONEBIT_TEST_TRITON_DEVICE=cuda needs a GPU", allow_module_level=True)
+        from hf_onebit.kernels import triton as T
+
+        return T
     import triton
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -102,10 +116,35 @@ class Backend:
         if op.startswith("_"):
             raise AttributeError(op)
         fn = getattr(self.module, op)
-        return functools.partial(fn, **self.kw) if op in TUNED else fn
+        fn = functools.partial(fn, **self.kw) if op in TUNED else fn
+        return through_device(fn) if ON_DEVICE and self.name == "triton" else fn
 
     def __repr__(self) -> str:
         return f"Backend({self.id})"
+
+
+def through_device(fn):
+    """``fn`` called on GPU copies of its tensor arguments; every argument is copied back (the
+    in-place outputs: bits, error buffers) and so is the result."""
+
+    def moved(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        # the same strides (a strided view must stay one: the backend's layout checks see it)
+        there = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="cuda")
+        return there.copy_(value)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        dev_args = [moved(a) for a in args]
+        dev_kwargs = {k: moved(v) for k, v in kwargs.items()}
+        result = fn(*dev_args, **dev_kwargs)
+        for here, there in [*zip(args, dev_args), *((kwargs[k], dev_kwargs[k]) for k in kwargs)]:
+            if isinstance(here, torch.Tensor):
+                here.copy_(there.cpu())
+        return result.cpu() if isinstance(result, torch.Tensor) else result
+
+    return call
 
 
 CPU = Backend("cpu")
@@ -161,8 +200,16 @@ def per_backend(argnames: str, *, cpu, triton) -> tuple[str, list]:
 
 
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    """Equal dtype, shape and bytes (so NaN payloads and the sign of zero count too)."""
+    """Equal dtype, shape and bytes (so the sign of zero counts too), NaN where the other has NaN.
+
+    A NaN's payload is not part of the contract: a GPU's arithmetic and conversions return its
+    canonical NaN where numpy and the interpreter carry the input's payload through.
+    """
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    if actual.is_floating_point():
+        nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+        assert torch.equal(nan_a, nan_e), f"{what}: NaN at {nan_a.nonzero()[:5].tolist()} vs {nan_e.nonzero()[:5].tolist()}"
+        actual, expected = actual.masked_fill(nan_a, 0.0), expected.masked_fill(nan_e, 0.0)
     a = actual.contiguous().reshape(-1).view(torch.uint8)
     e = expected.contiguous().reshape(-1).view(torch.uint8)
     if not torch.equal(a, e):

@@ -24,6 +24,7 @@ from hf_onebit.kernels import contract
 from hf_onebit.kernels import reference as ref
 from tests.kernels.backends import (
     DTYPES,
+    ON_DEVICE,
     assert_bitwise_equal,
     backends,
     garbage_bytes,
@@ -34,6 +35,7 @@ from tests.kernels.backends import (
     padded_length,
     per_backend,
     piece_x,
+    through_device,
 )
 
 WIDTHS = contract.WIDTHS
@@ -51,7 +53,8 @@ class QOps:
         fn = getattr(self.backend.module, op)
         params = inspect.signature(fn).parameters
         kw = {k: v for k, v in self.backend.kw.items() if k in params}
-        return functools.partial(fn, **kw) if kw else fn
+        fn = functools.partial(fn, **kw) if kw else fn
+        return through_device(fn) if ON_DEVICE and self.backend.name == "triton" else fn
 
 
 def steps_for(backend) -> int:
