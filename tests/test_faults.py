@@ -88,3 +88,68 @@ def test_a_local_failure_in_a_communication_job_does_not_blame_a_peer():
 
     with pytest.raises(CommunicationError, match="Another rank has probably died"):
         link._with_context(7, Plan.COMPRESS_MOMENTUM, peer_gone)()
+
+
+def _link():
+    from hf_onebit.hook import OneBitHookState
+
+    return OneBitHookState(build_optimizer("OneBitAdam", FixedGradModel().parameters(), dict(lr=1e-2, freeze_step=2)))
+
+
+def _raising(exc):
+    def job():
+        raise exc
+
+    return job
+
+
+def test_on_cuda_a_failed_collective_may_be_an_earlier_kernel_of_this_rank(monkeypatch):
+    """CUDA reports a kernel's fault at the next wait, often the collective: once this process has
+    initialised CUDA, a collective's failure is not blamed on a peer alone, and the message says
+    how to find the kernel (read through torch.cuda.is_initialized, patched: no GPU here)."""
+    from hf_onebit.comm.failures import CommunicationError
+    from hf_onebit.optim.base import Plan
+
+    peer_gone = RuntimeError("[/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(CommunicationError) as got:
+        _link()._with_context(7, Plan.COMPRESS_MOMENTUM, _raising(peer_gone))()
+    message = str(got.value)
+    assert "Another rank has probably died" not in message  # the survivors' wording of a CPU run
+    assert "another rank has died" in message and "a kernel failed earlier on this rank" in message
+    assert "CUDA_LAUNCH_BLOCKING=1" in message and "NCCL_DEBUG=WARN" in message
+    assert "resume from the last checkpoint" in message
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a CPU run: the peer is the suspect
+    with pytest.raises(CommunicationError, match="Another rank has probably died") as got:
+        _link()._with_context(7, Plan.COMPRESS_MOMENTUM, _raising(peer_gone))()
+    assert "CUDA_LAUNCH_BLOCKING" not in str(got.value)
+
+
+@pytest.mark.parametrize("error", [
+    torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
+    RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:3025, unhandled cuda error (run with NCCL_DEBUG=INFO for"
+                 " details), NCCL version 2.27.3"),
+], ids=["AcceleratorError", "nccl-unhandled-cuda-error"])
+def test_an_error_of_the_cuda_runtime_is_never_blamed_on_a_peer(error, monkeypatch):
+    """Even when NCCL raised it: "unhandled cuda error" is this rank's device, not the network."""
+    from hf_onebit.comm.failures import LocalFailure, is_distributed_failure
+    from hf_onebit.optim.base import Plan
+
+    assert not is_distributed_failure(error)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(LocalFailure, match="not a network error") as got:
+        _link()._with_context(3, Plan.COMPRESS_GRADIENT, _raising(error))()
+    message = str(got.value)
+    assert "earlier kernel on this rank" in message and "CUDA_LAUNCH_BLOCKING=1" in message
+    assert "HF_ONEBIT_KERNELS=reference" in message and "probably died" not in message
+
+
+def test_a_local_failure_on_cuda_says_the_error_may_come_from_an_earlier_kernel(monkeypatch):
+    from hf_onebit.comm.failures import LocalFailure
+    from hf_onebit.optim.base import Plan
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(LocalFailure, match="not a network error") as got:
+        _link()._with_context(3, Plan.COMPRESS_GRADIENT, _raising(ValueError("bad shape")))()
+    assert "earlier kernel on this rank" in str(got.value) and "CUDA_LAUNCH_BLOCKING=1" in str(got.value)
