@@ -63,6 +63,10 @@ class KernelBackend(Protocol):
     def qunpack_scaled(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, width: int,
                        bounds=None) -> None: ...
 
+    # BinSGDM's worker math (spec §5) over one flat bucket: new momenta and P(+1 vote)
+    def vote_threshold(self, m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
+                       m_out: torch.Tensor, b_out: torch.Tensor, theta: torch.Tensor) -> None: ...
+
 
 class Bounds(tuple):
     """Piece bounds (host ints) that own their backend's derived tables for as long as they live.
@@ -210,3 +214,17 @@ def check_qunpack(codes: torch.Tensor, width, scales: torch.Tensor | None, out: 
     if out.numel() > n * chunk:
         raise ValueError(f"out has {out.numel()} elements, codes only {n * chunk}")
     return n, chunk
+
+
+# ------------------------------------------------------------------ BinSGDM's worker math (spec §5)
+def check_vote(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, m_out: torch.Tensor, b_out: torch.Tensor,
+               theta: torch.Tensor) -> int:
+    """:func:`vote_threshold`'s six tensors: fp32, contiguous (read or written flat, in place) and
+    of one length, which it returns."""
+    tensors = (("m", m), ("b", b), ("g", g), ("m_out", m_out), ("b_out", b_out), ("theta", theta))
+    for name, t in tensors:
+        require(t, name, torch.float32)
+    lengths = [t.numel() for _, t in tensors]
+    if len(set(lengths)) != 1:
+        raise ValueError(f"vote_threshold: lengths differ: {lengths}")
+    return lengths[0]

@@ -70,6 +70,7 @@ __all__ = [
     "unpack_signs",
     "worker_pack",
     "worker_scale",
+    "vote_threshold",
 ]
 
 
@@ -470,24 +471,22 @@ def qunpack_scaled(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
 
 
 # --------------------------------------------------------------------------------------------
-# BinSGDM's worker math (not part of the compression contract: a CPU fast path that
-# hf_onebit.optim.binsgdm.vote_threshold_ takes for contiguous fp32 CPU tensors)
+# BinSGDM's worker math (spec §5; the contract's vote_threshold)
 # --------------------------------------------------------------------------------------------
 
 
 def vote_threshold(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
                    m_out: torch.Tensor, b_out: torch.Tensor, theta: torch.Tensor) -> None:
-    """One pass of :func:`hf_onebit.optim.binsgdm.vote_threshold_` (same results, bitwise).
+    """One pass of :func:`hf_onebit.kernels.reference.vote_threshold` (same results, bitwise).
 
     ``m_out = β·m + (1-β)·g``, ``b_out = β·b + (1-β)·|g|``, ``theta = (1 + m_out/(b_out+eps))/2``
     over flat contiguous fp32 CPU tensors; every operation rounded on its own, in the torch
     function's order, with the scalars rounded to fp32 as torch rounds them. The torch version
     makes ten passes over memory (~70 ms for 11M elements on one thread), this one one.
     """
+    contract.check_vote(m, b, g, m_out, b_out, theta)
     arrays = [_inplace_view(name, t, torch.float32) for name, t in
               (("m", m), ("b", b), ("g", g), ("m_out", m_out), ("b_out", b_out), ("theta", theta))]
-    if len({a.size for a in arrays}) != 1:
-        raise ValueError(f"vote_threshold: lengths differ: {[a.size for a in arrays]}")
     f32 = np.float32
     _vote_threshold(arrays[0], arrays[1], arrays[2], f32(beta), f32(1.0 - beta), f32(eps), eps == 0.0,
                     arrays[3], arrays[4], arrays[5])

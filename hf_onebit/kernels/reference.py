@@ -79,6 +79,7 @@ __all__ = [
     "pack_codes",
     "unpack_codes",
     "levels",
+    "vote_threshold",
 ]
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
@@ -441,3 +442,34 @@ def qunpack_scaled(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
     else:
         values = q.reshape(-1) * _element_scales(scales, bounds, n * chunk)
     out.copy_(values.reshape(-1)[: out.numel()].view(out.shape))
+
+
+# --------------------------------------------------------------------------------------------
+# BinSGDM's worker math (spec §5)
+# --------------------------------------------------------------------------------------------
+
+
+def vote_threshold(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
+                   m_out: torch.Tensor, b_out: torch.Tensor, theta: torch.Tensor) -> None:
+    """BinSGDM's worker math over flat fp32 buffers (one parameter, or a whole bucket).
+
+    ``m_out = β·m + (1-β)·g``, ``b_out = β·b + (1-β)·|g|``, ``theta = (1 + m_out/(b_out+eps))/2``,
+    the probability of a ``+1`` vote; with ``eps == 0`` a ``0/0`` (a coordinate that never had a
+    gradient, ``|m| <= b = 0``) gives ``z = 0``. Every operation is rounded on its own (no fused
+    multiply-add) in this order, with the scalars rounded to fp32 as torch rounds them, so a plain
+    float32 loop reproduces it bitwise: that is what the fast backends do, in one pass.
+    """
+    contract.check_vote(m, b, g, m_out, b_out, theta)
+    tmp = torch.empty_like(g)
+    torch.mul(g, 1.0 - beta, out=tmp)
+    torch.mul(m, beta, out=m_out)
+    m_out.add_(tmp)
+    torch.abs(g, out=tmp)
+    tmp.mul_(1.0 - beta)
+    torch.mul(b, beta, out=b_out)
+    b_out.add_(tmp)
+    torch.add(b_out, eps, out=theta)
+    torch.div(m_out, theta, out=theta)
+    if eps == 0.0:  # 0/0 where the coordinate never had a gradient: z = 0 (|m| <= b = 0)
+        theta.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+    theta.add_(1.0).mul_(0.5)

@@ -8,8 +8,10 @@ two simulated ranks, with one scale per chunk and with pieces, and compares ever
 :mod:`hf_onebit.kernels.reference`: bits, the server average (defined with its summation order)
 and unpacked values exactly; scales and error buffers to fp32 rounding (the reference sums squares
 in float64). The same for the five operations of the b-bit exchange (spec §1b) at 8 and 4 bits,
-whose results (codes, max-abs scales, errors, average, unpacked values) must all be bitwise equal. :func:`hf_onebit.attach` calls it for the CUDA buckets; ``hf-onebit check`` for
-whatever device is there.
+whose results (codes, max-abs scales, errors, average, unpacked values) must all be bitwise equal,
+and for BinSGDM's worker math (``vote_threshold``, with ``eps > 0`` and ``eps = 0``), bitwise too.
+:func:`hf_onebit.attach` calls it for the CUDA buckets; ``hf-onebit check`` for whatever device is
+there.
 """
 
 from __future__ import annotations
@@ -89,6 +91,23 @@ def _qrun(kernels, device: torch.device, dtype: torch.dtype, bounds, width: int)
         ("unpacked", out))}
 
 
+def _vote_run(kernels, device: torch.device) -> dict:
+    """BinSGDM's worker math on 200 elements (fp32 whatever the bucket dtype: BinSGDM unscales
+    into fp32 first), with ``eps > 0`` and with ``eps = 0`` (whose ``0/0`` the first 8 make)."""
+    g = torch.Generator().manual_seed(1)
+    m = torch.randn(200, generator=g)
+    b = m.abs() * (1 + torch.rand(200, generator=g))
+    grad = torch.randn(200, generator=g) * 10.0 ** torch.randint(-6, 3, (200,), generator=g).float()
+    m[:8], b[:8], grad[:8] = 0.0, 0.0, 0.0
+    m, b, grad = m.to(device), b.to(device), grad.to(device)
+    got = {}
+    for eps in (1e-8, 0.0):
+        outs = [torch.empty(200, device=device) for _ in range(3)]
+        kernels.vote_threshold(m, b, grad, beta=0.9, eps=eps, m_out=outs[0], b_out=outs[1], theta=outs[2])
+        got.update({f"vote {what} (eps={eps})": t for what, t in zip(("m", "b", "theta"), outs)})
+    return got
+
+
 def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (the b-bit results are all defined exactly)."""
     return (a.dtype == b.dtype and a.shape == b.shape
@@ -99,6 +118,8 @@ def _everything(kernels, device: torch.device, dtype: torch.dtype, bounds) -> di
     got = _run(kernels, device, dtype, bounds)
     for width in (8, 4):
         got.update(_qrun(kernels, device, dtype, bounds, width))
+    if bounds is None:  # the vote has no pieces: once per dtype is enough
+        got.update(_vote_run(kernels, device))
     return got
 
 
@@ -130,7 +151,7 @@ def self_test(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
         want = _everything(ref, device, dtype, bounds)
         for what, a in got.items():
             b = want[what]
-            if what.startswith(("8-bit ", "4-bit ")):  # the b-bit exchange: everything exact, scales included
+            if what.startswith(("8-bit ", "4-bit ", "vote ")):  # the b-bit exchange and the vote: all exact
                 same = _identical(a, b)
             elif what.endswith("bits") or what in ("server average", "unpacked"):  # defined exactly
                 same = torch.equal(a, b)

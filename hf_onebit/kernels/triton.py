@@ -69,6 +69,7 @@ from .triton_kernels import (
     _server_pack_kernel,
     _server_sumsq_kernel,
     _unpack_scaled_kernel,
+    _vote_threshold_kernel,
     _worker_pack_kernel,
     _worker_sumsq_kernel,
 )
@@ -113,6 +114,7 @@ __all__ = [
     "unpack_signs",
     "worker_pack",
     "worker_scale",
+    "vote_threshold",
 ]
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -602,3 +604,27 @@ def qunpack_scaled(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
             )
     if target is not out:
         out.copy_(target.view(out.shape))
+
+
+# --------------------------------------------------------------------------------------------
+# BinSGDM's worker math (spec §5)
+# --------------------------------------------------------------------------------------------
+
+
+def vote_threshold(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
+                   m_out: torch.Tensor, b_out: torch.Tensor, theta: torch.Tensor, block: int = DEFAULT_BLOCK) -> None:
+    """One pass of :func:`hf_onebit.kernels.reference.vote_threshold` (bitwise the same) over a
+    flat bucket: reads ``m, b, g``, writes ``m_out, b_out, theta`` (24 bytes per element; the
+    reference's ten torch operations move about 80 and launch ten kernels). No host sync."""
+    _check_block(block)
+    numel = contract.check_vote(m, b, g, m_out, b_out, theta)
+    _same_device(m, b, g, m_out, b_out, theta)
+    if numel == 0:
+        return
+    with _on_device(m):
+        # The scalars go as Python floats, which Triton passes as fp32 (rounded as torch rounds a
+        # Python scalar against an fp32 tensor); ``1 - beta`` is formed in double first, as torch does.
+        _vote_threshold_kernel[(triton.cdiv(numel, block),)](
+            m, b, g, m_out, b_out, theta, numel, float(beta), float(1.0 - beta), float(eps),
+            NAN_TO_ZERO=eps == 0.0, BLOCK=block, **_launch_options(block),
+        )

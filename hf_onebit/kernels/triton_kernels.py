@@ -451,3 +451,32 @@ def _qunpack_kernel(codes_ptr, table_ptr, out_ptr, numel, row_bytes, WIDTH: tl.c
     PER: tl.constexpr = 8 // WIDTH
     row = (byte // row_bytes)[:, None]
     _qunpack_store(codes_ptr, table_ptr, out_ptr, row, byte, elem, byte * PER < numel, numel, WIDTH)
+
+
+# --------------------------------------------------------------------------------------------
+# BinSGDM's worker math (spec §5): one elementwise pass over a flat bucket
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _vote_threshold_kernel(m_ptr, b_ptr, g_ptr, m_out_ptr, b_out_ptr, theta_ptr, numel, beta, one_minus_beta, eps,
+                           NAN_TO_ZERO: tl.constexpr, BLOCK: tl.constexpr):
+    """``m_out``, ``b_out`` and ``theta`` of :func:`hf_onebit.kernels.reference.vote_threshold`.
+
+    Bitwise the reference's torch operations: each product and sum rounded on its own (the launch
+    turns fused multiply-add off), the scalars fp32 as torch rounds them, and the division
+    ``div_rn`` (Triton's plain ``/`` is approximate on NVIDIA GPUs, see the module docstring).
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0)
+    m = tl.load(m_ptr + offs, mask=ok, other=0.0)
+    b = tl.load(b_ptr + offs, mask=ok, other=0.0)
+    m_new = m * beta + g * one_minus_beta
+    b_new = b * beta + tl.abs(g) * one_minus_beta
+    z = tl.math.div_rn(m_new, b_new + eps)
+    if NAN_TO_ZERO:  # eps == 0: 0/0 of a coordinate that never had a gradient is z = 0
+        z = tl.where(z != z, 0.0, z)
+    tl.store(m_out_ptr + offs, m_new, mask=ok)
+    tl.store(b_out_ptr + offs, b_new, mask=ok)
+    tl.store(theta_ptr + offs, (z + 1.0) * 0.5, mask=ok)

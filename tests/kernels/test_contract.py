@@ -100,7 +100,17 @@ BAD_CALLS = {
                        ValueError, "out has 17 elements"),
     "q out not float": (lambda k: k.qunpack_scaled(u8(2, 8), torch.ones(2), torch.zeros(8, dtype=torch.int32), width=8),
                         TypeError, "floating-point"),
+    # BinSGDM's worker math: six flat fp32 buffers of one length
+    "vote g not fp32": (lambda k: _vote(k, g=torch.zeros(8, dtype=torch.bfloat16)), TypeError, "g must be torch.float32"),
+    "vote m_out strided": (lambda k: _vote(k, m_out=torch.zeros(16)[::2]), ValueError, "m_out must be contiguous"),
+    "vote lengths": (lambda k: _vote(k, theta=torch.zeros(7)), ValueError, r"lengths differ: \[8, 8, 8, 8, 8, 7\]"),
 }
+
+
+def _vote(k, **bad):
+    """``vote_threshold`` on eight-element buffers, with the named ones replaced by ``bad``."""
+    t = {name: bad.get(name, torch.zeros(8)) for name in ("m", "b", "g", "m_out", "b_out", "theta")}
+    k.vote_threshold(t["m"], t["b"], t["g"], beta=0.9, eps=1e-8, m_out=t["m_out"], b_out=t["b_out"], theta=t["theta"])
 
 
 @pytest.mark.parametrize("case", list(BAD_CALLS))

@@ -47,3 +47,15 @@ def test_the_reference_needs_no_test(monkeypatch):
     monkeypatch.setenv("HF_ONEBIT_KERNELS", "reference")
     monkeypatch.setattr(cpu, "worker_scale", None)  # would fail if called
     assert self_test("cpu") == "reference"
+
+
+def test_a_vote_threshold_one_ulp_off_is_caught(monkeypatch):
+    real = cpu.vote_threshold
+
+    def one_ulp_off(m, b, g, *, beta, eps, m_out, b_out, theta):
+        real(m, b, g, beta=beta, eps=eps, m_out=m_out, b_out=b_out, theta=theta)
+        theta[17] = torch.nextafter(theta[17], torch.tensor(2.0))
+
+    monkeypatch.setattr(cpu, "vote_threshold", one_ulp_off)
+    with pytest.raises(KernelSelfTestError, match=r"disagree with the reference.*vote theta"):
+        self_test("cpu")
