@@ -1,7 +1,9 @@
-"""Every python/bash block in README.md, docs/integrations.md and docs/getting-started.md runs as printed.
+"""The user docs (README.md, docs/*.md): their blocks run as printed, their outputs match, their
+links resolve, the commands and tests they name exist, and their figures agree with each other
+and with the stored benchmark results.
 
 Each fenced ``python`` or ``bash`` block is preceded by a marker line saying what the test does
-with it (blocks without a language are printed outputs and are not run):
+with it:
 
 ``<!-- doctest: run -->``
     run the block (bash: ``bash -e``; python: as a script), in the page's work directory; it must
@@ -10,6 +12,11 @@ with it (blocks without a language are printed outputs and are not run):
     write the block to NAME in the work directory (a later block runs it).
 ``<!-- doctest: skip REASON -->``
     not run, and the reason says why (an install, a download, a multi-GPU machine ...).
+
+A fence without a language is a printed output. Marked ``<!-- doctest: output -->``, it is the
+expected output of the run block before it: each of its non-empty lines must occur in the
+command's output, in order (a line of the output contains it), where ``...`` stands for any text.
+Unmarked outputs are not compared (timings, abridged logs).
 
 Options of ``run``: ``fresh``: the block runs in a new empty directory outside the checkout (what a
 user of the installed package has); ``copy=PATH``: copy that repository file into the directory
@@ -25,6 +32,7 @@ import re
 import shlex
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,13 +40,24 @@ import pytest
 
 from tests.integrations.launch import REPO, base_env, run
 
-PAGES = ["README.md", "docs/integrations.md", "docs/getting-started.md"]
-MARKER = re.compile(r"^<!--\s*doctest:\s*(run|file|skip)\b(.*?)-->\s*$")
+#: every page of the user docs
+DOCS = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
+#: the pages whose blocks run (README.md in the fast suite, the others in the slow one)
+PAGES = ["README.md", "docs/getting-started.md", "docs/integrations.md", "docs/troubleshooting.md", "docs/api.md"]
+MARKER = re.compile(r"^<!--\s*doctest:\s*(run|file|skip|output)\b(.*?)-->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
+#: the line budget of the user docs, and of the results page
+MAX_LINES, MAX_RESULTS_LINES = 1500, 150
+
+
+def _marker_before(lines: list[str], start: int):
+    prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+    return MARKER.match(prev.strip())
 
 
 def blocks(page: str) -> list[dict]:
-    """The fenced python/bash blocks of ``page`` with their markers (line numbers for messages)."""
+    """The fenced python/bash blocks of ``page`` with their markers (line numbers for messages);
+    a marked output block becomes the ``expect`` of the block before it."""
     lines = (REPO / page).read_text().splitlines()
     out, i = [], 0
     while i < len(lines):
@@ -48,13 +67,27 @@ def blocks(page: str) -> list[dict]:
             continue
         lang, start = m.group(1), i
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        marker = _marker_before(lines, start)
         if lang in ("python", "bash"):
-            prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
-            marker = MARKER.match(prev.strip())
             out.append({"page": page, "line": start + 1, "lang": lang, "code": "\n".join(lines[start + 1:end]) + "\n",
-                        "action": marker.group(1) if marker else None, "args": marker.group(2).strip() if marker else ""})
+                        "action": marker.group(1) if marker else None, "args": marker.group(2).strip() if marker else "",
+                        "expect": None})
+        elif not lang and marker and marker.group(1) == "output":
+            assert out and out[-1]["action"] == "run", f"{page}:{start + 1}: an output block must follow a run block"
+            out[-1]["expect"] = [ln for ln in lines[start + 1:end] if ln.strip()]
         i = end + 1
     return out
+
+
+def check_output(expect: list[str], output: str, where: str) -> None:
+    """Each expected line occurs in ``output``, in order; ``...`` in it stands for any text."""
+    got = output.splitlines()
+    pos = 0
+    for want in expect:
+        pattern = re.compile(".*".join(re.escape(part.strip()) for part in want.split("...")))
+        hit = next((k for k in range(pos, len(got)) if pattern.search(got[k])), None)
+        assert hit is not None, f"{where}: expected output line not found (in order): {want!r}\n--- output:\n{output[-4000:]}"
+        pos = hit + 1
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -69,6 +102,12 @@ def test_every_block_is_marked_and_every_skip_says_why(page):
         if b["action"] == "file":
             assert re.fullmatch(r"[\w.-]+", b["args"]), f"{page}:{b['line']}: file needs a NAME"
     assert any(b["action"] == "run" for b in found), f"{page}: nothing is run"
+
+
+def test_pages_without_run_blocks_have_no_unmarked_code():
+    for page in set(DOCS) - set(PAGES):
+        marked = [b for b in blocks(page) if b["action"] not in ("skip", None)]
+        assert not marked, f"{page} has blocks marked to run: add it to PAGES"
 
 
 def _free_port() -> int:
@@ -123,6 +162,8 @@ def run_page(page: str, tmp_path: Path, timeout: float = 300) -> list[str]:
         else:
             assert res.returncode != 0, f"{where}: expected to fail\n{res.output[-3000:]}"
             assert fails in res.output, f"{where}: {fails!r} not in the output\n{res.output[-3000:]}"
+        if b["expect"]:
+            check_output(b["expect"], res.output, where)
         done.append(f"{where}: ok")
     return done
 
@@ -133,6 +174,131 @@ def test_readme_blocks_run(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("page", ["docs/getting-started.md", "docs/integrations.md"])
+@pytest.mark.parametrize("page", [p for p in PAGES if p != "README.md"])
 def test_doc_blocks_run(tmp_path, page):
     assert run_page(page, tmp_path)
+
+
+# --------------------------------------------------------------------------- pages, links, names
+def _text(page: str) -> str:
+    return (REPO / page).read_text()
+
+
+def _prose(page: str) -> str:
+    """The page without its fenced blocks (printed outputs may hold anything)."""
+    return re.sub(r"^```.*?^```", "", _text(page), flags=re.S | re.M)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    s = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return s.replace(" ", "-")
+
+
+def anchors(page: str) -> set[str]:
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.*)$", _prose(page), flags=re.M)}
+
+
+def test_the_user_docs_fit_their_budget():
+    sizes = {page: len(_text(page).splitlines()) for page in DOCS}
+    assert sum(sizes.values()) <= MAX_LINES, f"user docs: {sum(sizes.values())} lines > {MAX_LINES}: {sizes}"
+    assert sizes["docs/results.md"] <= MAX_RESULTS_LINES, f"docs/results.md: {sizes['docs/results.md']} lines"
+
+
+def test_links_resolve():
+    bad = []
+    for page in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _prose(page)):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            dest = (REPO / page).parent / path if path else REPO / page
+            if not dest.exists():
+                bad.append(f"{page}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(str(dest.resolve().relative_to(REPO))):
+                bad.append(f"{page}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
+
+
+#: what a user guide does not hold: dates, commit hashes, issue numbers, session words, local folders
+HISTORY = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b|\bissues? \d+|"
+                     r"\bthis session\b|\btoday\b|\bprevious session\b|\boutputs/", re.I)
+
+
+def test_no_history_in_the_docs():
+    found = [f"{page}: {m.group(0)!r}" for page in DOCS for m in HISTORY.finditer(_text(page))]
+    assert not found, "\n".join(found)
+
+
+def test_named_scripts_and_tests_exist():
+    missing = []
+    for page in DOCS:
+        text = _text(page)
+        for path in set(re.findall(r"(?<![\w/.<>{}-])((?:recipes|benchmarks|tests|hf_onebit)/[\w./-]*\w)", text)):
+            if "*" in path or re.search(r"/[A-Z]+\.", path):  # a pattern, a placeholder (NAME.yaml)
+                continue
+            if not (REPO / path).exists() and not any(REPO.glob(path + "*")):
+                missing.append(f"{page}: {path}")
+        for path, name in re.findall(r"(tests/[\w/]+\.py)::(\w+)", text):
+            source = (REPO / path).read_text() if (REPO / path).exists() else ""
+            if f"def {name}" not in source:
+                missing.append(f"{page}: {path}::{name}")
+    assert not missing, "\n".join(missing)
+
+
+def _table_rows(text: str, header_start: str) -> list[list[str]]:
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(header_start))
+    rows = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    return rows
+
+
+def test_the_failure_table_counts_its_cases():
+    text = _text("docs/troubleshooting.md")
+    rows = _table_rows(text, "| case | behaviour | test |")
+    said = int(re.search(r"^(\d+) cases, each with its test", text, flags=re.M).group(1))
+    assert said == len(rows), f"troubleshooting.md says {said} cases, its table has {len(rows)} rows"
+    assert all(row[2] for row in rows), "every case names its test"
+
+
+def _numbers(cell: str) -> list[str]:
+    return re.findall(r"[−+-]?\d+(?:[.,]\d+)*", cell)
+
+
+def test_the_speed_table_is_the_stored_benchmark():
+    """results.md's network table and the which-optimizer table's speeds reprint docs/img/defaults/network.json."""
+    report = subprocess.run([sys.executable, "benchmarks/network.py", "--report-from", "docs/img/defaults/network.json"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    out = report.stdout
+    figures = set(re.findall(r"\d+\.\d+", out))
+    for row in _table_rows(_text("docs/results.md"), "| method | 200 Mbit/s"):
+        for cell in row[1:]:
+            for number in _numbers(cell):
+                assert number in figures, f"results.md speed table: {row[0]} {number} not in the report"
+    for row in _table_rows(_text("docs/getting-started.md"), "| `--optim` |"):
+        for cell in row[4:6]:
+            assert cell.rstrip("x") in figures, f"getting-started.md: {row[0]} speed {cell} not in the report"
+
+
+def test_the_which_optimizer_table_is_results_figures():
+    results = _text("docs/results.md").replace("−", "-")
+    for row in _table_rows(_text("docs/getting-started.md"), "| `--optim` |"):
+        for cell in row[1:4] + row[6:7]:
+            for number in _numbers(cell.replace("−", "-")):
+                if number in ("1", "3"):
+                    continue  # "1 seed", "3 seeds"
+                assert number in results, f"getting-started.md: {row[0]} {number} ({cell}) is not in results.md"
+
+
+def test_the_readme_figures_are_results_figures():
+    results = _text("docs/results.md")
+    readme = _text("README.md")
+    for figure in ("82.36", "10.5x", "step 70", "8.4", "14.0x"):
+        assert figure in results, f"{figure} is not in results.md"
+    assert "validation accuracy 0.8236" in readme and "ratio                         10.5x" in readme
+    assert "warmup ended after step       70" in readme
