@@ -44,12 +44,13 @@ structure from the checkpoint's metadata instead.
 from __future__ import annotations
 
 import io
+import json
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from hf_onebit.checkpoint import EXTRA, file_rank, read_rank_state, save_rank_state, shard_size
+from hf_onebit.comm.compat import all_gather_bytes
 from hf_onebit.hook.fsdp import FSDPHookState
 from hf_onebit.optim.base import OneBitOptimizer, logger
 
@@ -92,8 +93,12 @@ def save_sharded(optimizer: OneBitOptimizer, directory: str) -> None:
     shards = _shards(optimizer, "save_sharded")
     names = [name for name, _, _ in shards]
     sd = optimizer.state_dict()
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {i: sorted(entry) for i, entry in sd["state"].items()})
+    # Through the parameters' device, not all_gather_object: with NCCL that stages through
+    # torch.cuda.current_device(), GPU 0 on every rank of a script that never calls set_device.
+    # JSON (keys become strings): the key names and nothing a peer could make this rank execute.
+    mine = json.dumps({str(i): sorted(entry) for i, entry in sd["state"].items()}).encode()
+    device = optimizer.params_in_order()[0].device
+    everyone = [{int(i): keys for i, keys in json.loads(b).items()} for b in all_gather_bytes(mine, device, None)]
     shard_only = {}  # index -> the keys not every rank holds for that parameter
     for i in {i for keys in everyone for i in keys}:
         held = [set(keys.get(i, ())) for keys in everyone]

@@ -9,6 +9,7 @@ tensors that were saved, and the per-rank state is refused or started afresh.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -23,18 +24,37 @@ SAVE_AT = {"OneBitAdam": 6, "hf_onebit.optim.zeroone_adam:ZeroOneAdam": 22, "One
 
 
 def _resumed(rank, world_size, save_dir, name, steps, save_at):
+    import torch.distributed as dist
+
     kwargs, _, tiny, _, _ = SIMULATIONS[name]
     common = dict(tiny_grads=tiny, shard_size=2, sharded_checkpoint=True)
-    whole = train(rank, world_size, name, kwargs, steps, save_dir, save_at, **common)
-    resumed = train(rank, world_size, name, kwargs, steps - save_at, resume_dir=save_dir, start_step=save_at, **common)
-    return whole["history"][save_at:], resumed["history"], whole["global"], resumed["global"]
+    gathered_objects = []
+    real = dist.all_gather_object
+
+    def recorded(*args, **kwargs):  # with NCCL it stages through the current CUDA device
+        caller = sys._getframe(1).f_code.co_filename  # DCP's own planning gathers objects too
+        if os.sep + "hf_onebit" + os.sep in caller:
+            gathered_objects.append(caller)
+        return real(*args, **kwargs)
+
+    dist.all_gather_object = recorded
+    try:
+        whole = train(rank, world_size, name, kwargs, steps, save_dir, save_at, **common)
+        resumed = train(rank, world_size, name, kwargs, steps - save_at, resume_dir=save_dir, start_step=save_at,
+                        **common)
+    finally:
+        dist.all_gather_object = real  # the ranks run the next test too
+    return whole["history"][save_at:], resumed["history"], whole["global"], resumed["global"], len(gathered_objects)
 
 
 @pytest.mark.parametrize("name", list(SAVE_AT))
 def test_resume_from_a_distributed_checkpoint_is_bitwise(tmp_path, name):
     steps, save_at = SIMULATIONS[name][1], SAVE_AT[name]
     outs = run_distributed(_resumed, 4, str(tmp_path), name, steps, save_at)
-    for r, (whole, resumed, g_whole, g_resumed) in enumerate(outs):
+    for r, (whole, resumed, g_whole, g_resumed, gathered_objects) in enumerate(outs):
+        # hf_onebit's save and load exchange through the parameters' device (all_gather_bytes),
+        # never all_gather_object, which NCCL stages through torch.cuda.current_device()
+        assert gathered_objects == 0, f"rank {r}: {gathered_objects} all_gather_object calls"
         assert len(whole) == len(resumed) == steps - save_at
         for step, (a, b) in enumerate(zip(whole, resumed), start=save_at + 1):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{name}: rank {r} differs at step {step}"

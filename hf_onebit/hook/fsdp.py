@@ -174,9 +174,13 @@ class FSDPHookState(OneBitHookState):
     group joins the ranks that hold the same shard in every replica (``None``: all ranks,
     ``S = 1``). ``shard_group``: the ranks of this rank's replica (``None`` for ``S = 1``)."""
 
-    def __init__(self, optimizer: OneBitOptimizer, process_group, shard_group, grad_scaler: Any = None) -> None:
+    def __init__(self, optimizer: OneBitOptimizer, process_group, shard_group, grad_scaler: Any = None,
+                 agree_group: Any = None) -> None:
         super().__init__(optimizer, process_group, grad_scaler)
         self.shard_group = shard_group
+        #: the ranks of ``shard_group`` again, over gloo on the host: where :meth:`all_ranks_agree`
+        #: reduces a verdict the host already holds, without waiting for the device
+        self.agree_group = agree_group
         self.owners: list = []  # (local shard, its DTensor parameter), in the optimizer's order
         self.names: dict = {}  # id(local shard) -> its parameter's name in the model
         self.handles: list = []  # the optimizer's step hooks (lend and take back the gradients)
@@ -223,15 +227,32 @@ class FSDPHookState(OneBitHookState):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
         return t
 
-    def all_ranks_agree(self, ok: bool) -> bool:
+    def all_ranks_agree(self, ok):
         """Whether ``ok`` holds on every rank of this replica (each holds a different shard, so a
-        check of its own gradients alone could stop one rank and leave the others waiting)."""
+        check of its own gradients alone could stop one rank and leave the others waiting).
+
+        ``ok`` a bool (the host has read it already, e.g. the finiteness guard's one read): the
+        minimum over the replica is taken over :attr:`agree_group`, a gloo group of the same
+        ranks, on a CPU tensor. The agreement therefore adds no host-to-device copy and does not
+        wait for the device: an NCCL shard group would need the flag on the GPU, a copy there and
+        a ``.item()`` back, that is a second and third host sync per step besides the guard's own.
+        What gloo costs instead is one small message between the replica's ranks (a node).
+        ``ok`` a tensor (a flag kept on the device): the minimum is taken in place over the shard
+        group and returned, still on the device, so nothing waits.
+        """
         if self.shard_group is None:
             return ok
-        # on the parameters' device: an NCCL group reduces CUDA tensors only
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.optimizer.params_in_order()[0].device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.shard_group)
-        return bool(flag.item())
+        if isinstance(ok, torch.Tensor):
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.shard_group)
+            return ok
+        if self.agree_group is None:  # no gloo in this torch build: through the device, with its syncs
+            device = self.optimizer.params_in_order()[0].device  # an NCCL group reduces CUDA tensors only
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.shard_group)
+            return bool(flag.item())
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.agree_group)
+        return bool(flag[0])
 
 
 def _exchange_shards(state: FSDPHookState, layout: _ShardLayout, reduce_output: torch.Tensor) -> None:
@@ -320,16 +341,20 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
     param_of = {id(p._local_tensor): p for p in every}
     _check_state_fits(optimizer, local_of)
     optimizer.replace_params(local_of)
+    agree_group = None
     if shard_size == 1:
         cross, shard_group = None, None  # every rank is a replica: the world, as on the DDP path
     else:
         # Collective: every rank creates every subgroup, in the same order.
         cross, _ = dist.new_subgroups_by_enumeration(replica_of)
         shard_group = mesh.get_group()
+        if dist.is_gloo_available():  # see FSDPHookState.all_ranks_agree
+            replicas = [list(r) for r in sorted({tuple(r) for r in everyone})]
+            agree_group, _ = dist.new_subgroups_by_enumeration(replicas, backend="gloo")
         # The exchange between replicas is flat: "auto" must not find a node layout in a group
         # that holds one rank per node.
         optimizer.hierarchical = False
-    state = FSDPHookState(optimizer, cross, shard_group)
+    state = FSDPHookState(optimizer, cross, shard_group, agree_group=agree_group)
     state.owners = [(p, param_of[id(p)]) for p in optimizer.params_in_order() if id(p) in param_of]
     name_of = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     state.names = {id(local): name_of[id(param)] for local, param in state.owners if id(param) in name_of}

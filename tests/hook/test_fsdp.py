@@ -338,6 +338,52 @@ def test_a_non_finite_gradient_in_one_shard_stops_every_rank():
     assert "parameter(s) [0]" in outs[0][1] and "on another rank's shard" in outs[1][1], outs
 
 
+def _agreement(rank, world_size):
+    """What the replica's agreement sends, and where, in a step of the finiteness guard."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import hf_onebit
+
+    torch.manual_seed(0)
+    model = FixedGradModel()
+    fully_shard(model, mesh=hf_onebit.replica_mesh(2, "cpu")["shard"])
+    opt = hf_onebit.OneBitAdam(model.parameters(), **ONEBIT_ADAM, defaults="paper")
+    link = hf_onebit.attach(model, opt)
+    calls = []
+    real = dist.all_reduce
+
+    def recorded(tensor, *args, group=None, **kwargs):
+        calls.append((tensor.device.type, group is link.agree_group, dist.get_backend(group)))
+        return real(tensor, *args, group=group, **kwargs)
+
+    model(fixed_grads(1, rank)).backward()
+    dist.all_reduce = recorded
+    try:
+        opt.step()  # the guard: this rank's finiteness, then the replica's agreement
+        in_step = list(calls)
+        calls.clear()
+        verdicts = [link.all_ranks_agree(rank != 1), link.all_ranks_agree(True)]
+        on_device = link.all_ranks_agree(torch.tensor([0 if rank == 2 else 1], dtype=torch.int32))
+    finally:
+        dist.all_reduce = real
+    return in_step, verdicts, on_device, link.agree_group is not link.shard_group
+
+
+def test_the_replicas_agreement_on_finiteness_never_waits_for_the_device():
+    """The guard's verdict is on the host already: the replica agrees on it over a gloo group of
+    the same ranks, on a CPU tensor (on CUDA an NCCL shard group would need a copy to the GPU and
+    a .item() back: two host syncs per step). A flag kept on the device is agreed on in place.
+    The promise stays: see test_a_non_finite_gradient_in_one_shard_stops_every_rank."""
+    outs = run_distributed(_agreement, 4)
+    for rank, (in_step, verdicts, on_device, own_group) in enumerate(outs):
+        assert in_step == [("cpu", True, "gloo")], (rank, in_step)  # one reduction, host-side
+        assert own_group
+        replica = {0, 1} if rank < 2 else {2, 3}  # rank 1 said no: its replica stops, the other goes on
+        assert verdicts == [1 not in replica, True], (rank, verdicts)
+        assert isinstance(on_device, torch.Tensor) and int(on_device) == (0 if 2 in replica else 1), rank
+
+
 # --------------------------------------------------------------------------- resume
 def _resumed(rank, world_size, save_dir, name, steps, save_at):
     kwargs, _, tiny, _, _ = SIMULATIONS[name]
