@@ -43,6 +43,7 @@ from .cpu_loops import (
     _unpack,
     _unpack_pieces,
     _vote_threshold,
+    _vote_uniform,
     _worker_pack,
     _worker_pack_pieces,
     _worker_sumsq,
@@ -490,3 +491,23 @@ def vote_threshold(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: f
     f32 = np.float32
     _vote_threshold(arrays[0], arrays[1], arrays[2], f32(beta), f32(1.0 - beta), f32(eps), eps == 0.0,
                     arrays[3], arrays[4], arrays[5])
+
+
+def vote_uniform(out: torch.Tensor, offsets: np.ndarray, indices: np.ndarray, *, seed: int, stream: int,
+                 step: int) -> None:
+    """BinSGDM's draws for a whole bucket in one call (CPU only; not part of the contract).
+
+    ``out[offsets[i]:offsets[i+1]]`` gets exactly
+    ``np.random.Generator(np.random.Philox(key=[seed, stream], counter=[0, 0, indices[i], step]))
+    .random(n, dtype=np.float32)`` (a fresh generator per counter): what
+    :meth:`hf_onebit.optim.vote_streams.VoteStream.uniform_` draws for one parameter.
+    ``offsets`` (int64, one more than ``indices``, non-decreasing, within ``out``) and
+    ``indices`` (uint64) are host metadata.
+    """
+    flat = _inplace_view("out", out, torch.float32)
+    if offsets.size != indices.size + 1 or (offsets.size and (offsets[0] < 0 or offsets[-1] > flat.size
+                                                               or np.any(np.diff(offsets) < 0))):
+        raise ValueError(f"vote_uniform: offsets {offsets} do not split {flat.size} elements into {indices.size} pieces")
+    u64 = np.uint64
+    _vote_uniform(flat, offsets.astype(np.int64, copy=False), indices.astype(u64, copy=False), u64(step),
+                  u64(seed), u64(stream))

@@ -87,9 +87,8 @@ from hf_onebit.comm.allreduce import finite_flag
 from hf_onebit.comm.vote import VoteAllGather
 from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
 from hf_onebit.optim.defaults import check_preset
-from hf_onebit.optim.tensors import write_flat_
 from hf_onebit.optim.validation import check_betas
-from hf_onebit.optim.vote_core import VoteLayout, build_layout, vote_threshold_, vote_update_
+from hf_onebit.optim.vote_core import VoteLayout, vote_threshold_, vote_update_foreach_  # noqa: F401 (vote_threshold_: API)
 from hf_onebit.optim.vote_state import VoteMomenta
 from hf_onebit.optim.vote_streams import MASK64, NODE_STREAM, VoteStream
 
@@ -141,7 +140,6 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         super().__init__(params, defaults, check_finite=check_finite, hierarchical=hierarchical)
         self.seed = int(seed)
         self._vote: VoteAllGather | None = None  # made at the first vote (attach sets the group)
-        self._layouts: dict[tuple[int, ...], VoteLayout] = {}
         self._streams: dict[int, VoteStream] = {}
         self.init_vote_momenta()
 
@@ -196,68 +194,39 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         if call.plan is not Plan.VOTE:
             return super().exchange_bucket(call, link)
         vote = self._vote_exchange()
-        layout = self._layout_for(call.key, call.params, call.buffer.device, vote)
-        for item in layout.items:
-            self._materialize(item.index, item.param)
-            self._pending_t[item.index] = call.t
-        return link.submit(call.buffer.device, lambda: self._vote_bucket(layout, vote, call, link))
-
-    def _layout_for(self, key, params, device, vote: VoteAllGather) -> VoteLayout:
-        layout = self._layouts.get(key)
+        layout = self._layouts.get(call.key)
         if layout is None:
-            for other in [k for k in self._layouts if set(k) & set(key)]:
-                del self._layouts[other]  # DDP rebuilt its buckets
-            total = sum(p.numel() for p in params)
-            layout = self._layouts[key] = build_layout(key, params, device, vote.padded_length(total))
-        return layout
+            total = sum(p.numel() for p in call.params)
+            layout = self._layout_for(call.key, call.params, call.buffer.device, vote.padded_length(total))
+        layout.pending_t = call.t
+        return link.submit(call.buffer.device, lambda: self._vote_bucket(layout, vote, call, link))
 
     def _vote_bucket(self, layout: VoteLayout, vote: VoteAllGather, call, link) -> torch.Tensor:
         """Runs on the communication thread: local state, local votes, exchange, ``.grad = q̄``.
 
+        Flat over the bucket: a constant number of operations whatever the number of tensors in
+        it (the draws, counter-based per parameter, are the exception: see ``VoteLayout.draw``).
         No value goes to the host (on CUDA that would wait for the GPU): the loss scale stays a
         0-dim tensor (its reciprocal in fp64, as ``1.0 / float(scale)`` was), the finiteness
-        flags are device booleans from the new ``b`` to the NaN written into ``q̄``.
+        flag is a device boolean from the new ``b`` to the NaN written into ``q̄``.
         """
         buffer, grads, scale_t, t = call.buffer, call.grads, call.scale, call.t
-        inv = None if scale_t is None else torch.reciprocal(scale_t.to(torch.float64))
-        finite = []  # per parameter: is its new b finite (0-dim bool tensors)
-        worker = self._stream(self.rank)
-        for item, g in zip(layout.items, grads):
-            state = self.state[item.param]
-            group = self._group_map()[id(item.param)]
-            m_next, b_next = self._next[item.index]
-            sl = slice(item.offset, item.offset + item.numel)
-            g = g.reshape(-1)
-            if g.dtype == torch.float32:
-                g32 = g.mul_(inv) if inv is not None else g  # in place: the bucket is overwritten with q̄
-            else:  # bf16/fp16 bucket: unscale into fp32 scratch
-                if layout.scratch is None:
-                    layout.scratch = torch.empty(layout.numel, dtype=torch.float32, device=g.device)
-                g32 = layout.scratch[sl].copy_(g)
-                if inv is not None:
-                    g32.mul_(inv)
-            vote_threshold_(
-                state["momentum"].view(-1), state["abs_momentum"].view(-1), g32, beta=group["beta"],
-                eps=group["eps"], m_out=m_next.view(-1), b_out=b_next.view(-1), theta=layout.theta[sl],
-                tmp=layout.uniform[sl],
-            )
-            finite.append(finite_flag(b_next))
-            worker.uniform_(layout.uniform[sl], t, item.index)
-        n = layout.numel
-        torch.lt(layout.uniform, layout.theta[:n], out=layout.votes[:n])
-        all_finite = torch.stack(finite).all()
+        direct = layout.is_direct(buffer, grads)
+        g32 = layout.gradients(buffer, grads, direct)  # overwritten below: the bucket becomes q̄
+        if scale_t is not None:
+            g32.mul_(torch.reciprocal(scale_t.to(torch.float64)))
+        layout.threshold(g32)
+        all_finite = finite_flag(layout.nxt.b)  # NaN/inf gradient (or corrupted state) on this rank
+        layout.draw(self._stream(self.rank), t)
+        torch.lt(layout.uniform, layout.theta_n, out=layout.votes_n)
         if vote.hierarchical:  # the node's draws (the worker votes are taken: reuse the buffer)
-            node_stream = self._stream(NODE_STREAM + vote.topology.node)
-            for item in layout.items:
-                node_stream.uniform_(layout.uniform[item.offset : item.offset + item.numel], t, item.index)
-        qbar, valid = vote(layout.votes, all_finite, n, node_uniform=layout.uniform, scratch=layout.theta)
+            layout.draw(self._stream(NODE_STREAM + vote.topology.node), t)
+        qbar, valid = vote(layout.votes, all_finite, layout.numel, node_uniform=layout.uniform, scratch=layout.theta)
         qbar.masked_fill_(~valid, float("nan"))
         link.note_attempt(t, call.attempt, valid)  # a repeat of step t is admitted only after a NaN vote
-        for item, g in zip(layout.items, grads):
-            src = qbar[item.offset : item.offset + item.numel]
-            if scale_t is not None:
-                src = src * scale_t
-            write_flat_(g, src)  # g has the parameter's strides: reshape(-1) could be a copy
+        if scale_t is not None:
+            qbar.mul_(scale_t)
+        layout.write(buffer, grads, direct, qbar)
         return buffer
 
     # ---------------------------------------------------------------- step
@@ -266,31 +235,76 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         loss, t, plan = self.begin_step(closure)
         synced = self.check_synced(t) if plan is Plan.VOTE else False
         index = self._index_of()
-        for p, grad, _, group in self.grads_in_order():
-            idx = index[id(p)]
-            if synced:
-                if self._pending_t.get(idx) != t:
-                    raise RuntimeError(
-                        f"BinSGDM: parameter {idx} has a gradient but the communication hook did not"
-                        f" vote on it for step {t}"
-                    )
-                q = grad  # the vote average q̄ (in fp32: exact, its values are multiples of 1/n)
-            else:  # one process: the algorithm with n = 1, the local vote
-                q = self._local_vote(idx, p, grad, group, t)
-            self._commit(idx, p)
-            vote_update_(p, q, lr=group["lr"], weight_decay=group["weight_decay"])
+        # Parameters with a gradient, by group: Python bookkeeping only, no tensor operation.
+        per_group = []
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            for p in ps:
+                if p.grad.is_sparse:
+                    raise ValueError("hf_onebit optimizers do not support sparse gradients")
+            per_group.append((group, ps))
+        if synced:
+            layouts = self._voted_layouts(t, [index[id(p)] for _, ps in per_group for p in ps])
+            qs = {id(p): p.grad for _, ps in per_group for p in ps}  # q̄ (exact: multiples of 1/n)
+        else:  # one process: the algorithm with n = 1, the local vote
+            layouts, qs = self._local_votes(t, [(index[id(p)], p, p.grad) for _, ps in per_group for p in ps])
+        for layout in layouts:
+            layout.commit()
+        for group, ps in per_group:
+            if ps:
+                grads = [qs[id(p)] for p in ps]
+                idxs = [index[id(p)] for p in ps]
+                # fp32 stand-ins for low-precision gradients and parameters: the owners' buffers,
+                # free between the hook (or the local vote) and the next hook
+                q32 = None if all(q.dtype == torch.float32 for q in grads) else self._fp32_views(idxs, "scratch")
+                work = None if all(p.dtype == torch.float32 for p in ps) else self._fp32_views(idxs, "uniform")
+                vote_update_foreach_(ps, grads, lr=group["lr"], weight_decay=group["weight_decay"], q32=q32, work=work)
         self._after_step()
         return loss
 
-    def _local_vote(self, idx: int, p: torch.Tensor, grad32: torch.Tensor, group: dict, t: int) -> torch.Tensor:
-        state = self._materialize(idx, p)
-        m_next, b_next = self._next[idx]
-        g32 = grad32.reshape(-1)
-        theta = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
-        u = torch.empty_like(theta)
-        vote_threshold_(
-            state["momentum"].view(-1), state["abs_momentum"].view(-1), g32, beta=group["beta"], eps=group["eps"],
-            m_out=m_next.view(-1), b_out=b_next.view(-1), theta=theta, tmp=u,
-        )
-        self._stream(self.rank).uniform_(u, t, idx)
-        return torch.where(u < theta, 1.0, -1.0).view(p.shape)
+    def _voted_layouts(self, t: int, idxs: list[int]) -> list[VoteLayout]:
+        """The layouts holding the parameters ``idxs`` (those with a gradient), each voted for step
+        ``t`` by the hook; raise naming a parameter the hook did not vote on."""
+        layouts: dict[int, VoteLayout] = {}
+        for idx in idxs:
+            owner = self._owner.get(idx)
+            if owner is None or owner.pending_t != t:
+                raise RuntimeError(
+                    f"BinSGDM: parameter {idx} has a gradient but the communication hook did not"
+                    f" vote on it for step {t}"
+                )
+            layouts[id(owner)] = owner
+        return list(layouts.values())
+
+    def _local_votes(self, t: int, entries: list) -> tuple[list[VoteLayout], dict]:
+        """One process: each rank's vote is the step (``n = 1``). ``entries``: ``(index, p, grad)``
+        of the parameters with a gradient. Flat like the hook, over one layout per device of
+        those parameters; returns the layouts (pending for ``t``) and ``id(p) -> q`` (fp32 ±1,
+        views of the layout's scratch)."""
+        by_device: dict[torch.device, list] = {}
+        for entry in entries:
+            by_device.setdefault(entry[1].device, []).append(entry)
+        layouts, qs = [], {}
+        for device, ents in by_device.items():
+            params = [p for _, p, _ in ents]
+            layout = self._layout_for(tuple(i for i, _, _ in ents), params, device, sum(p.numel() for p in params))
+            scratch = layout.ensure_scratch()
+            torch._foreach_copy_(layout.scratch_views, [g for _, _, g in ents])  # fp32, flat
+            layout.threshold(scratch)
+            layout.draw(self._stream(self.rank), t)
+            torch.lt(layout.uniform, layout.theta_n, out=layout.votes_n)
+            scratch.fill_(-1.0).masked_fill_(layout.votes_n, 1.0)  # q = ±1, into the gradients' copy
+            qs.update((id(p), q) for p, q in zip(params, layout.scratch_views))
+            layout.pending_t = t
+            layouts.append(layout)
+        return layouts, qs
+
+    def _fp32_views(self, idxs: list[int], kind: str) -> list[torch.Tensor]:
+        """Each parameter's fp32 view (its shape) of its owner layout's ``scratch`` or ``uniform``."""
+        out = []
+        for idx in idxs:
+            owner = self._owner[idx]
+            if kind == "scratch":
+                owner.ensure_scratch()
+            out.append((owner.scratch_views if kind == "scratch" else owner.uniform_views)[owner.position[idx]])
+        return out

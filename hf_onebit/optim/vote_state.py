@@ -1,8 +1,9 @@
 """BinSGDM's per-rank momenta ``m, b``: where they live, how they are committed, saved and restored.
 
 Each rank keeps its own ``m`` and ``b`` (``optimizer.state[p]["momentum"]``,
-``["abs_momentum"]``). The hook writes the new ones into *pending* buffers; ``step()`` commits
-them with a swap, so a step that never happens leaves them untouched. They differ per rank, so
+``["abs_momentum"]``, views of the flat buffers of the parameter's bucket layout). The hook writes
+the new ones into *pending* buffers; ``step()`` commits them with a swap, so a step that never
+happens leaves them untouched. They differ per rank, so
 they are not in ``state_dict()`` but in ``rank_state_dict()``; a restored copy is applied lazily,
 at the parameter's first use, after checking that it belongs to the same step.
 """
@@ -12,19 +13,26 @@ from __future__ import annotations
 import torch
 
 from hf_onebit.optim.base import logger
+from hf_onebit.optim.vote_core import VoteLayout, build_layout
 
 
 class VoteMomenta:
-    """Mixin of :class:`~hf_onebit.optim.binsgdm.BinSGDM` (before ``OneBitOptimizer`` in its bases)."""
+    """Mixin of :class:`~hf_onebit.optim.binsgdm.BinSGDM` (before ``OneBitOptimizer`` in its bases).
+
+    The momenta of the parameters a bucket holds live in that bucket's
+    :class:`~hf_onebit.optim.vote_core.VoteLayout` (flat buffers, the state entries views of
+    them); ``_owner`` maps a parameter index to its layout.
+    """
 
     def init_vote_momenta(self) -> None:
-        self._next: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # idx -> pending (m, b)
-        self._pending_t: dict[int, int] = {}  # idx -> step whose pending (m, b) the hook wrote
+        self._layouts: dict[tuple, VoteLayout] = {}  # key (parameter indices) -> its layout
+        self._owner: dict[int, VoteLayout] = {}  # parameter index -> the layout holding its m, b
         self._loaded_vote_state: dict | None = None
         self._warned_fresh = False
 
-    def _materialize(self, idx: int, p: torch.Tensor) -> dict:
-        """``m, b`` of parameter ``idx`` (restored from per-rank state, or zeros) and pending buffers."""
+    def _materialize(self, idx: int, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(m, b)`` of parameter ``idx`` now: restored from per-rank state, the current ones, or
+        zeros. Called when a layout that will hold them is built."""
         state = self.state[p]
         loaded = self._loaded_vote_state
         if loaded is not None and idx in loaded["params"]:
@@ -35,9 +43,9 @@ class VoteMomenta:
                     " of the same checkpoint"
                 )
             entry = loaded["params"].pop(idx)
-            for name in ("momentum", "abs_momentum"):
-                state[name] = entry[name].to(device=p.device, dtype=torch.float32).reshape(p.shape).clone()
-        elif "momentum" not in state:
+            return tuple(entry[name].to(device=p.device, dtype=torch.float32).reshape(p.shape)
+                         for name in ("momentum", "abs_momentum"))
+        if "momentum" not in state:
             if self.steps_done > 0 and not self._warned_fresh:
                 self._warned_fresh = True
                 logger.warning(
@@ -45,19 +53,26 @@ class VoteMomenta:
                     " (save and load rank_state_dict() with the checkpoint to resume exactly)",
                     self.steps_done + 1, self.rank,
                 )
-            state["momentum"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            state["abs_momentum"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        if idx not in self._next:
-            self._next[idx] = (torch.empty_like(state["momentum"]), torch.empty_like(state["abs_momentum"]))
-        return state
+            zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            return zeros, zeros
+        return state["momentum"], state["abs_momentum"]
 
-    def _commit(self, idx: int, p: torch.Tensor) -> None:
-        """Make the pending ``m, b`` of ``idx`` current (swap, no copy)."""
-        state = self.state[p]
-        m_next, b_next = self._next[idx]
-        self._next[idx] = (state["momentum"], state["abs_momentum"])
-        state["momentum"], state["abs_momentum"] = m_next, b_next
-        self._pending_t.pop(idx, None)
+    def _layout_for(self, key: tuple, params: list, device: torch.device, padded_length: int) -> VoteLayout:
+        """The layout of the parameters ``key`` (built at their first vote, or when DDP rebuilt its
+        buckets: the layouts it overlaps are dropped, their momenta copied over once)."""
+        layout = self._layouts.get(key)
+        if layout is None:
+            for other in [k for k in self._layouts if set(k) & set(key)]:
+                del self._layouts[other]
+            momenta = [self._materialize(idx, p) for idx, p in zip(key, params)]
+            groups = self._group_map()
+            layout = build_layout(key, params, [groups[id(p)] for p in params], [self.state[p] for p in params],
+                                  device, padded_length)
+            layout.adopt(momenta)
+            self._layouts[key] = layout
+            for idx in key:
+                self._owner[idx] = layout
+        return layout
 
     def state_dict(self) -> dict:
         """Shared state only (step counter, seed, hyper-parameters); never communicates.
@@ -75,8 +90,7 @@ class VoteMomenta:
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        self._next.clear()
-        self._pending_t.clear()
+        self._forget_layouts()  # torch rebuilt every state dict: the layouts' views are gone
 
     def rank_state_dict(self) -> dict:
         """This rank's ``m``, ``b`` per parameter index (plus the base's entries and the seed)."""
@@ -118,5 +132,9 @@ class VoteMomenta:
             if s:
                 s.pop("momentum", None)
                 s.pop("abs_momentum", None)
-        self._next.clear()
-        self._pending_t.clear()
+        self._forget_layouts()
+
+    def _forget_layouts(self) -> None:
+        """Drop every layout (rebuilt at the next vote from whatever the state then holds)."""
+        self._layouts.clear()
+        self._owner.clear()

@@ -43,6 +43,24 @@ class VoteStream:
         self._gen = np.random.Generator(self._bitgen)
         self._torch_gens: dict[torch.device, torch.Generator] = {}
 
+    def uniform_many_(self, out: torch.Tensor, step: int, offsets: np.ndarray, indices: np.ndarray,
+                      pieces: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`uniform_` of ``(step, indices[i])`` into each ``pieces[i]``, the stretch
+        ``out[offsets[i]:offsets[i+1]]`` of the flat fp32 ``out``.
+
+        On CPU one numba call draws them all, bitwise numpy's numbers
+        (:func:`hf_onebit.kernels.cpu.vote_uniform`): a bucket costs no per-parameter work. Other
+        devices draw piece by piece (one ``torch.rand`` each).
+        """
+        if out.device.type == "cpu":
+            from hf_onebit.kernels import cpu  # numba: imported on first use, like the CPU kernels
+
+            cpu.vote_uniform(out, offsets, indices, seed=self.seed, stream=self.stream, step=step)
+            return out
+        for piece, index in zip(pieces, indices.tolist()):
+            self.uniform_(piece, step, index)
+        return out
+
     def uniform_(self, out: torch.Tensor, step: int, index: int) -> torch.Tensor:
         """Fill the contiguous fp32 tensor ``out`` with the draws of ``(step, index)``."""
         if out.device.type == "cpu":

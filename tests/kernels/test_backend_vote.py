@@ -83,3 +83,28 @@ def test_vote_threshold_writes_in_place_over_its_inputs(backend, block):
     vote_threshold(backend)(m2, b2, g, beta=0.9, eps=1e-8, m_out=m2, b_out=b2, theta=theta)
     for name, a, w in zip(("m_out", "b_out", "theta"), (m2, b2, theta), want):
         assert_bitwise_equal(a, w, name)
+
+
+@pytest.mark.parametrize("seed, stream, step", [(0, 0, 1), (2**64 - 1, 2**32 + 3, 10**6), (123456789, 1, 7)])
+def test_cpu_bucket_draws_are_numpys_philox_per_parameter(seed, stream, step):
+    """BinSGDM draws a whole bucket in one numba call (``cpu.vote_uniform``): each parameter's
+    stretch must be bitwise what a fresh numpy Philox generator of its counter draws, for stretches
+    of every length modulo 8 (each Philox block gives 8 floats), empty ones included."""
+    import numpy as np
+
+    from hf_onebit.kernels import cpu
+    from hf_onebit.optim.vote_streams import VoteStream
+
+    sizes = [0, 1, 7, 8, 9, 15, 16, 17, 1000, 3]
+    indices = np.array([5, 0, 2**40, 7, 1, 2, 3, 4, 9, 6], dtype=np.uint64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    out = torch.full((int(offsets[-1]),), -1.0)
+    cpu.vote_uniform(out, offsets, indices, seed=seed, stream=stream, step=step)
+    one_by_one = VoteStream(seed, stream)
+    for i, index in enumerate(indices.tolist()):
+        want = torch.empty(sizes[i])
+        one_by_one.uniform_(want, step, index)
+        assert_bitwise_equal(out[offsets[i]:offsets[i + 1]], want, f"parameter {i}")
+    assert bool((out >= 0).all() and (out < 1).all())
+    with pytest.raises(ValueError, match="do not split"):
+        cpu.vote_uniform(out, offsets[:-1], indices, seed=seed, stream=stream, step=step)
