@@ -28,6 +28,12 @@ The executor is chosen by the device of the tensors (not by the backend's name, 
   cannot hand it to the compute stream while the exchange still reads it. The returned future is
   CUDA-aware (``devices=[...]``) and completed on the side stream: whoever waits on it (DDP's end of
   backward, 0/1 Adam's ``step()``) makes *its* stream wait for the exchange, never the host.
+
+Both executors time their jobs into :data:`hf_onebit.comm.stats.TIMER` while it is enabled (the
+Trainer and Accelerate integrations enable it; see :mod:`hf_onebit.comm.stats`): the CPU one with
+``perf_counter`` on the calling and on the communication thread, the CUDA one with timing events
+recorded on the compute and the side stream, which nobody waits for (they are read once complete).
+Under ``torch.profiler`` each job is a ``hf_onebit.comm_job`` range.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from hf_onebit.comm.stats import TIMER, running
 
 Job = Callable[[], Any]
 
@@ -57,12 +65,15 @@ class StreamExecutor:
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=self.device)
         fut: torch.futures.Future = torch.futures.Future(devices=[self.device])
+        compute = torch.cuda.current_stream(self.device)
+        timed = TIMER.cuda_job(compute)  # an event on the compute stream: where backward is now
         # Order after everything the compute stream has queued so far: the bucket's gradients,
         # and the optimizer state that the last step() wrote.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_stream(compute)
         try:
             with torch.cuda.stream(self.stream):
-                result = job()
+                with running(timed):  # start and end events on the side stream
+                    result = job()
                 for t in _tensors(result):  # DDP may free a bucket while the side stream reads it
                     t.record_stream(self.stream)
                 # Inside the stream context: the future records its completion event on the side
@@ -91,7 +102,7 @@ class ThreadExecutor:
 
     def submit(self, job: Job) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((job, fut))
+        self._jobs.put((job, fut, TIMER.host_job()))  # the record notes the submission time
         return fut
 
     def _loop(self) -> None:
@@ -99,9 +110,10 @@ class ThreadExecutor:
             item = self._jobs.get()
             if item is None:
                 return
-            job, fut = item
+            job, fut, timed = item
             try:
-                result = job()
+                with running(timed):
+                    result = job()
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 fut.set_exception(exc)
             else:
