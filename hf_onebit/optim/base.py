@@ -308,7 +308,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         phase = self.phase()
         if phase != self._last_phase:
             if self._last_phase is not None and self.rank == 0:
-                logger.warning(
+                logger.info(
                     "hf_onebit %s: step %d done, entering phase '%s' (plan %s) from step %d",
                     type(self).__name__, self.steps_done, phase, self.plan().value, self.steps_done + 1,
                 )
