@@ -14,9 +14,10 @@
         with accelerator.accumulate(model):            # no_sync on non-final micro-batches
             accelerator.backward(model(**batch).loss)
             optimizer.step(); optimizer.zero_grad()
-        accelerator.log(onebit.log_entries(), step=...)  # phase, bytes per step, ratios
+        accelerator.log(onebit.log_entries(), step=...)  # phase, bytes, ratios, time: all numbers
     accelerator.save_state("ckpt")                     # also writes ckpt/hf_onebit/hf_onebit_rank{r}_of{n}.pt
     accelerator.load_state("ckpt")                     # per-rank state restored before the next forward
+    accelerator.print(onebit.summary())                # one line: bytes and time saved against fp32 DDP
 
 Or use :class:`OneBitAccelerator`, an ``Accelerator`` whose ``prepare`` does the ``attach``.
 
@@ -41,7 +42,7 @@ from hf_onebit.hook import OneBitHookState
 from hf_onebit.hook import attach as attach_hook
 from hf_onebit.integrations import checks
 from hf_onebit.integrations.checkpoint import load_from_checkpoint, save_beside_checkpoint
-from hf_onebit.integrations.logs import CompressionLog
+from hf_onebit.integrations.logs import CompressionLog, show_info
 from hf_onebit.optim import OneBitOptimizer
 
 logger = logging.getLogger("hf_onebit")
@@ -126,8 +127,10 @@ class OneBitAccelerate:
 
     def __init__(self, accelerator, model, optimizer) -> None:
         self.accelerator = accelerator
+        show_info(accelerator.is_main_process)  # phase changes and the chosen freeze step, at INFO
         self.optimizer, self.ddp = attach_prepared(accelerator, model, optimizer)
         self.log = CompressionLog(self.optimizer)
+        self.log.start()  # times the communication, per optimizer step
         self._pending_dir: str | None = None
         self._handles = [
             accelerator.register_save_state_pre_hook(self._before_save),
@@ -163,14 +166,22 @@ class OneBitAccelerate:
 
     # -- logs
     def log_entries(self) -> dict:
-        """``onebit/phase``, ``onebit/bytes_per_step``, ... for ``accelerator.log`` (:mod:`.logs`)."""
+        """``onebit/phase``, ``onebit/bytes_per_step``, ``onebit/comm_ms``, ... for ``accelerator.log``:
+        all numbers, so every tracker plots them (:mod:`.logs`)."""
         return self.log.entries()
 
+    def summary(self) -> str:
+        """One line for the end of training: bytes and communication time against fp32 DDP
+        (:meth:`.CompressionLog.summary`; waits for the device's pending timing events)."""
+        return self.log.summary()
+
     def remove(self) -> None:
-        """Unregister the save/load hooks (the DDP communication hook stays: DDP cannot drop it)."""
+        """Unregister the save/load hooks and stop timing (the DDP communication hook stays: DDP
+        cannot drop it)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.log.finish()
 
 
 def attach(accelerator, model, optimizer) -> OneBitAccelerate:

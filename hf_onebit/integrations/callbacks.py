@@ -11,10 +11,16 @@ module Accelerate created), ``trainer.optimizer``, ``trainer.accelerator`` and `
 * ``on_save`` (after the Trainer wrote the checkpoint on rank 0): every rank writes
   ``<checkpoint>/hf_onebit/hf_onebit_rank{r}_of{n}.pt``; barriers before (the directory exists) and after
   (every file exists before any rank goes on).
-* ``on_log``: adds ``onebit/phase``, ``onebit/bytes_per_step``, ``onebit/bytes_sent``,
-  ``onebit/compression_ratio`` and ``onebit/ratio_vs_ddp`` (see :mod:`.logs`) to training logs,
-  and to the ``log_history`` entry the Trainer just recorded. Being first in the callback list,
-  it runs before the progress bar, TensorBoard, W&B and the other reporters, so they show them.
+* ``on_log``: adds the ``onebit/*`` figures (phase, bytes, ratios and communication time, all
+  numbers: see :mod:`.logs`) to training logs, and to the ``log_history`` entry the Trainer just
+  recorded. Being first in the callback list, it runs before the progress bar, TensorBoard, W&B
+  and the other reporters, so they show them.
+* ``on_train_end``: logs a one-line summary on rank 0 (bytes against fp32 DDP, time saved at the
+  measured link: :meth:`.CompressionLog.summary`) and stops timing the communication.
+
+hf_onebit's messages at INFO (phase changes, the chosen freeze step, the summary) reach the
+console on the main process unless the user set the ``hf_onebit`` logger's level
+(:func:`.logs.show_info`).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from hf_onebit.integrations.checkpoint import (
     load_from_checkpoint,
     save_beside_checkpoint,
 )
-from hf_onebit.integrations.logs import SINGLE_PROCESS, CompressionLog, announce
+from hf_onebit.integrations.logs import SINGLE_PROCESS, CompressionLog, announce, show_info
 from hf_onebit.integrations.options import warmup_end
 from hf_onebit.optim import BinSGDM, OneBitOptimizer
 
@@ -60,9 +66,13 @@ class OneBitCallback(TrainerCallback):
                 args.optim, type(opt).__name__,
             )
             return
+        show_info(state.is_world_process_zero)
         self.optimizer, _ = attach_prepared(trainer.accelerator, trainer.model_wrapped, trainer.optimizer)
         if self.log is None or self.log.optimizer is not opt:
+            if self.log is not None:
+                self.log.finish()
             self.log = CompressionLog(opt)
+        self.log.start()
         if self.resume_from is not None:
             self._restore(self.resume_from)
         if isinstance(opt, BinSGDM) and args.max_grad_norm and args.max_grad_norm > 0 and state.is_world_process_zero:
@@ -74,7 +84,7 @@ class OneBitCallback(TrainerCallback):
         auto = getattr(opt, "auto_freeze", None)
         if auto is not None and auto.chosen is None and state.max_steps > 0 and auto.fit_to_run(state.max_steps):
             if state.is_world_process_zero:
-                logger.warning("hf_onebit %s: fitted to a run of %d steps, %s", type(opt).__name__, state.max_steps,
+                logger.info("hf_onebit %s: fitted to a run of %d steps, %s", type(opt).__name__, state.max_steps,
                                auto.describe())
         end = warmup_end(opt)
         if end is not None and end >= state.max_steps > 0 and state.is_world_process_zero:
@@ -89,8 +99,8 @@ class OneBitCallback(TrainerCallback):
         if opt.world_size == 1:
             announce(
                 f"one process: {type(opt).__name__} runs its phases (the update rule changes at the warmup's end)"
-                " but nothing is communicated or compressed (onebit/bytes_sent stays 0, onebit/communication:"
-                f" '{SINGLE_PROCESS}'). Launch several processes to compress, e.g. accelerate launch --config_file"
+                " but nothing is communicated or compressed (onebit/bytes_sent stays 0; communication:"
+                f" {SINGLE_PROCESS}). Launch several processes to compress, e.g. accelerate launch --config_file"
                 " cpu_2proc.yaml -m hf_onebit.run script.py ... (hf-onebit config cpu_2proc --write cpu_2proc.yaml)"
             )
 
@@ -133,3 +143,11 @@ class OneBitCallback(TrainerCallback):
         logs.update(added)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(added)
+
+    # ------------------------------------------------------------------ train end
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.log is None:
+            return
+        if state.is_world_process_zero:
+            logger.info("%s", self.log.summary())
+        self.log.finish()

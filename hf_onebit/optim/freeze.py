@@ -330,7 +330,7 @@ class FreezeSchedule:
                     " to fit it to the run", type(self).__name__, self._freeze_name, auto.max_step)
         shards = self.link.sum_over_shards if self.link is not None and self.link.sharded else None
         if auto.observe(step, updates, self._variance_tensors(), shards) and self.rank == 0:
-            logger.warning("hf_onebit %s: %s; %s=%d", type(self).__name__, auto.describe(), self._freeze_name, step)
+            logger.info("hf_onebit %s: %s; %s=%d", type(self).__name__, auto.describe(), self._freeze_name, step)
 
     def warn_uncorrected_variance(self, beta2: float, updates: int | None = None) -> None:
         """Warn at construction when a variance frozen without bias correction is known to be unstable.

@@ -70,7 +70,10 @@ def train(args, start, stop, save_dir=None, load_dir=None):
         if save_dir and step == args.save_at:
             accelerator.save_state(save_dir)
     params = {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
-    return params, logs, calls
+    summary = onebit.summary()
+    accelerator.print(summary)
+    onebit.remove()
+    return params, logs, calls, summary
 
 
 def main():
@@ -81,10 +84,10 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     ckpt = os.path.join(args.out, "state")
-    full, logs, calls = train(args, 0, args.steps, save_dir=ckpt)
-    resumed, logs2, _ = train(args, args.save_at, args.steps, load_dir=ckpt)
+    full, logs, calls, summary = train(args, 0, args.steps, save_dir=ckpt)
+    resumed, logs2, _, _ = train(args, args.save_at, args.steps, load_dir=ckpt)
     rank = torch.distributed.get_rank()
-    torch.save({"full": full, "resumed": resumed, "logs": logs, "logs_resumed": logs2, "calls": calls,
+    torch.save({"full": full, "resumed": resumed, "logs": logs, "logs_resumed": logs2, "calls": calls, "summary": summary,
                 "files": sorted(os.listdir(os.path.join(ckpt, "hf_onebit")))},
                os.path.join(args.out, f"rank{rank}.pt"))
 
