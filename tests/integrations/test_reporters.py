@@ -2,11 +2,14 @@
 
 A tiny OneBitTrainer run on 2 gloo processes (`accelerate launch`, the CPU recipe) with
 ``--report_to tensorboard``; the event file rank 0 wrote is read back with TensorBoard's
-EventAccumulator. Also checked on the console: the phase change and the end-of-training summary
-are printed once (hf_onebit logs them at INFO, which the integration lets through by default).
+EventAccumulator. Also checked on the console: the step the automatic freeze chose, the phase
+change and the end-of-training summary are printed once (hf_onebit logs them at INFO, which the
+integration lets through by default), and the logged phase turns from 0 to 1 after that step.
 """
 
 from __future__ import annotations
+
+import re
 
 from tests.integrations.launch import SCRIPTS, accelerate_launch, base_env
 from tests.requirements import require
@@ -26,7 +29,7 @@ def test_tensorboard_event_file_holds_numeric_onebit_scalars_time_among_them(tmp
     env = {**base_env(), "TENSORBOARD_LOGGING_DIR": str(tb)}  # where transformers' callback writes
     res = accelerate_launch(
         [str(SCRIPTS / "onebit_train.py"), "--output_dir", str(tmp_path / "out"), "--optim", "onebit_adam",
-         "--freeze_step", "4", "--max_steps", "12", "--logging_steps", "2", "--per_device_train_batch_size", "8",
+         "--max_steps", "20", "--logging_steps", "2", "--per_device_train_batch_size", "8",  # the automatic freeze
          "--bucket_kb", "24", "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "tensorboard"],
         env=env, timeout=300,
     ).check()
@@ -45,16 +48,23 @@ def test_tensorboard_event_file_holds_numeric_onebit_scalars_time_among_them(tmp
     def series(key):
         return {e.step: e.value for e in events.Scalars(f"train/onebit/{key}")}
 
-    assert sorted(series("phase")) == [2, 4, 6, 8, 10, 12]
-    assert [series("phase")[s] for s in (2, 4, 6, 12)] == [0, 0, 1, 1]  # warmup through step 4, then compression
+    # the console names the step the automatic freeze chose (once, rank 0): the warmup's last step
+    chosen = re.findall(r"auto freeze chose step (\d+)", res.output)
+    assert len(chosen) == 1, res.output[-3000:]
+    freeze = int(chosen[0])
+    logged = list(range(2, 21, 2))
+    phase = series("phase")
+    assert sorted(phase) == logged
+    assert all(phase[s] == (0 if s <= freeze else 1) for s in logged), (freeze, phase)  # 0 warmup, 1 compression
+    assert 1 in phase.values()
     per_step = series("bytes_per_step")
-    assert per_step[12] < per_step[2] / 4  # 1-bit against the 8-bit warmup
-    for step in (2, 4, 6, 8, 10, 12):
+    assert per_step[20] < per_step[2] / 4  # 1-bit against the 8-bit warmup
+    for step in logged:
         comm, wait, hidden = (series(k)[step] for k in TIME)
         assert comm > 0 and 0 <= wait and 0 <= hidden <= 1, (step, comm, wait, hidden)
 
     # the console: the phase change and the summary, once each (rank 0)
-    assert res.output.count("entering phase 'compression'") == 1, res.output[-3000:]
-    summary = [line for line in res.output.splitlines() if line.startswith("hf_onebit OneBitAdam on 2 ranks, 12 steps")]
+    assert res.output.count(f"step {freeze} done, entering phase 'compression'") == 1, res.output[-3000:]
+    summary = [line for line in res.output.splitlines() if line.startswith("hf_onebit OneBitAdam on 2 ranks, 20 steps")]
     assert len(summary) == 1, res.output[-3000:]
     assert "where fp32 DDP sends" in summary[0] and "communication ran" in summary[0] and "s of communication time" in summary[0]
