@@ -66,7 +66,9 @@ class OneBitCallback(TrainerCallback):
                 args.optim, type(opt).__name__,
             )
             return
-        show_info(state.is_world_process_zero)
+        # --log_level (main process) and --log_level_replica, where given, decide hf_onebit's level too
+        chosen = args.log_level != "passive" if state.is_world_process_zero else args.log_level_replica != "passive"
+        show_info(state.is_world_process_zero, args.get_process_log_level() if chosen else None)
         self.optimizer, _ = attach_prepared(trainer.accelerator, trainer.model_wrapped, trainer.optimizer)
         if self.log is None or self.log.optimizer is not opt:
             if self.log is not None:

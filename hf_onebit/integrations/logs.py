@@ -203,18 +203,19 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def show_info(main_process: bool) -> None:
+def show_info(main_process: bool, level: int | None = None) -> None:
     """Let hf_onebit's INFO messages (phase changes, the chosen freeze step, the summary) reach the console.
 
     Python prints a library's messages below WARNING nowhere until the script configures logging,
     and stock scripts leave hf_onebit's logger alone. So, unless the user chose a level for the
-    ``hf_onebit`` logger, it gets INFO on the main process and WARNING on the others (as the
-    Trainer's ``log_level`` / ``log_level_replica`` defaults treat replicas); and if no handler
-    would print its records (none on it or above it), one that writes the message to stderr.
-    To silence it: ``logging.getLogger("hf_onebit").setLevel(logging.WARNING)``.
+    ``hf_onebit`` logger, it gets ``level`` (the Trainer passes the one its ``--log_level`` /
+    ``--log_level_replica`` give where they were set), by default INFO on the main process and
+    WARNING on the others (as the Trainer's replicas); and if no handler would print its records
+    (none on it or above it), one that writes the message to stderr. To silence it:
+    ``logging.getLogger("hf_onebit").setLevel(logging.WARNING)`` (or ``--log_level warning``).
     """
     if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO if main_process else logging.WARNING)
+        logger.setLevel(level if level is not None else logging.INFO if main_process else logging.WARNING)
     if not logger.hasHandlers():
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))

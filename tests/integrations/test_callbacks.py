@@ -63,3 +63,33 @@ def test_a_freeze_step_past_max_steps_is_warned_about(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_onebit"):
         OneBitTrainer(model=model, args=args, train_dataset=data).train()
     assert "freeze_step=10 >= max_steps=2" in caplog.text
+
+
+def test_info_messages_reach_the_console_unless_a_level_was_chosen(capsys):
+    """hf_onebit's INFO lines (phase change, chosen freeze step, summary) show on the main process by
+    default; a level the user set on the logger, or the Trainer's --log_level, wins."""
+    import logging
+
+    from hf_onebit.integrations.logs import logger, show_info
+
+    saved = logger.level, list(logger.handlers), logger.propagate
+    try:
+        for main, level, expected in ((True, None, logging.INFO), (False, None, logging.WARNING),
+                                      (True, logging.ERROR, logging.ERROR)):
+            logger.setLevel(logging.NOTSET)
+            show_info(main, level)
+            assert logger.level == expected, (main, level)
+        logger.setLevel(logging.WARNING)  # the user's own choice stays
+        show_info(True)
+        assert logger.level == logging.WARNING
+        # a script that configured no logging: hf_onebit adds a handler of its own (stderr)
+        logger.setLevel(logging.NOTSET)
+        logger.handlers[:] = []
+        logger.propagate = False  # stands for "no handler on the root logger" (pytest installs one)
+        show_info(True)
+        logger.info("hf_onebit X: step 4 done, entering phase 'compression'")
+        assert "entering phase 'compression'" in capsys.readouterr().err
+    finally:
+        logger.setLevel(saved[0])
+        logger.handlers[:] = saved[1]
+        logger.propagate = saved[2]
