@@ -45,10 +45,12 @@ class Report:
         self.failed: list[str] = []
         self.quiet = quiet
         self.ran: dict = {}  # where -> the parts that ran there, in order
+        self.failures: list = []  # (what, detail) of each FAIL line, printed or not
 
     def line(self, what: str, status: str, detail: str, where: str | None = None) -> None:
         if status == "FAIL":
             self.failed.append(what)
+            self.failures.append((what, detail))
         if where is not None and status != "skip":
             parts = self.ran.setdefault(where, [])
             if what not in parts:
@@ -203,7 +205,8 @@ class CheckAborted(RuntimeError):
 def _model(device: torch.device) -> torch.nn.Module:
     """Blocks of Linear + LayerNorm + GELU and a head of 3 outputs (a tensor whose size is no
     multiple of 8): many tensors of mixed sizes in several buckets, as in a transformer. On CUDA
-    2.1M parameters in 36 tensors; on CPU 7.4K parameters in 14, to stay quick."""
+    2.1M parameters in 34 tensors (about 9 buckets of 1 MB); on CPU 7.5K parameters in 14, to
+    stay quick."""
     width, depth = (512, 8) if device.type == "cuda" else (48, 3)
     layers: list = []
     for _ in range(depth):
@@ -330,6 +333,23 @@ def agree(side, part: str, error: str | None) -> list:
             " failed in the middle of the part and left this one waiting in a collective, or it died; its own"
             " output says why. Stopping this rank.") from exc
     return everyone
+
+
+def gather_local_failures(side, report: Report) -> None:
+    """Every rank's failures of the parts it ran alone (kernels, speed), into every rank's report.
+
+    Only rank 0 prints: without this a broken GPU on rank 5 would leave rank 0's verdict OK."""
+    mine = [(what, " ".join(str(detail).split())) for what, detail in report.failures]
+    everyone: list = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(everyone, mine, group=side)
+    except Exception as exc:  # noqa: BLE001 - as in agree()
+        raise CheckAborted(f"rank {dist.get_rank()}: the ranks could not gather the kernels' and speed's results"
+                           f" ({type(exc).__name__}: {exc}); another rank is stuck or gone. Stopping this rank.") from exc
+    for r, theirs in enumerate(everyone):
+        if r != dist.get_rank():
+            for what, detail in theirs:
+                report.line(what, "FAIL", f"rank {r}: {detail}")
 
 
 def run_part(side, part: str, fn):
@@ -561,6 +581,7 @@ def _launched(device: torch.device, args, report: Report) -> None:
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * args.timeout))
     where = f"{dist.get_world_size()} launched ranks ({dist.get_backend()}, {device.type})"
     try:
+        gather_local_failures(side, report)
         out = run_world(device, args.steps, side, sync_check=True)
     except CheckAborted as exc:
         print(f"hf-onebit check: {exc}", file=sys.stderr, flush=True)

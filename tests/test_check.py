@@ -210,3 +210,21 @@ def test_a_rank_that_dies_in_a_part_leaves_the_others_a_clear_error_not_a_hang()
     assert out["aborted"].startswith("rank 0: part 'train onebit_adam bf16' failed here: ")
     assert "could not agree on its result" in out["aborted"] and "Stopping this rank" in out["aborted"]
     assert out["seconds"] < 4 * pg_timeout + 30
+
+
+def _gathered(rank, world_size):
+    import torch.distributed as dist
+
+    side = dist.new_group(backend="gloo")
+    report = check.Report(quiet=True)
+    if rank == 1:  # its GPU failed the kernels; rank 0's did not
+        report.line("kernels", "FAIL", "bf16 bucket:\nunpacked 3 values wrong")
+    check.gather_local_failures(side, report)
+    return report.failed, report.failures
+
+
+def test_a_kernel_failure_on_another_rank_fails_rank_0s_verdict():
+    """Only rank 0 prints the verdict, so every rank's kernel and speed failures reach it."""
+    (failed0, failures0), (failed1, failures1) = run_distributed(_gathered, 2)
+    assert failed0 == ["kernels"] and failures0 == [("kernels", "rank 1: bf16 bucket: unpacked 3 values wrong")]
+    assert failed1 == ["kernels"] and failures1 == [("kernels", "bf16 bucket:\nunpacked 3 values wrong")]
