@@ -4,19 +4,26 @@
     python -m hf_onebit.check --device cpu
     torchrun --nproc-per-node 8 -m hf_onebit.check   # the launched world (NCCL on GPUs)
 
-It checks, in order, and prints one line each and a verdict:
+It checks, in order, and prints one line each and a verdict that names where each part ran:
 
 1. **kernels**: the device's compression kernels compile and match the reference bit for bit
    (:func:`hf_onebit.kernels.selftest.self_test`, fp32/bf16/fp16 buckets);
-2. **speed**: compress (worker scale + pack) and decompress (unpack) of a ``--size`` fp32 buffer
-   against a device ``copy_`` of the same buffer (goals on a GPU: at most 2x and 1.5x);
-3. **training**: a few DDP steps of each optimizer, past its warmup, on the launched world or,
-   when started alone, on 2 spawned CPU (gloo) processes: finite parameters, every rank equal
-   (0/1 Adam: after a sync), fewer bytes than an fp32 all-reduce;
+2. **speed**: worker scale, worker pack and unpack of a ``--size`` fp32 buffer against a device
+   ``copy_`` of it, each kernel's bandwidth counting its own bytes (:func:`speed_bytes`); on a
+   GPU each must reach :data:`SPEED_GOAL` of ``copy_``'s, judged from :data:`GOAL_MIN_SIZE`
+   elements on (:func:`judge_speed`);
+3. **training**: DDP steps of each optimizer at the library's defaults (per-tensor scales, the
+   automatic freeze bounded by the run's length) in bf16 autocast and in fp16 autocast with a
+   ``GradScaler``, as the HF Trainer runs them, on the launched world or, when started alone, on
+   2 spawned CPU (gloo) processes (the verdict says so): finite parameters, every rank equal
+   (0/1 Adam: after a sync), past the warmup, fewer bytes than an fp32 all-reduce. Every rank
+   agrees on each part's result before the next part starts (:func:`run_part`): a part that
+   raised on any rank stops every rank with the same message, and a rank that cannot agree
+   (a peer stuck in a collective or gone) stops at once;
 4. **host syncs** (CUDA only): hook and step in the steady compressed phase (after the step
    that starts it, which freezes masks once) under ``torch.cuda.set_sync_debug_mode("warn")``,
-   counted; there should be none. The optimizers are built with ``check_finite=False``: its
-   one read per step is deliberate (``optim.guards.check_finite_grads``);
+   counted by source: the finiteness guard's one read per step and the GradScaler's inf check
+   are deliberate and reported apart; there should be no other;
 5. **overlap**: how much of the hook's communication hides behind backward, on the same world
    (:func:`measure_overlap`).
 """
