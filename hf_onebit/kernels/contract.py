@@ -67,6 +67,11 @@ class KernelBackend(Protocol):
     def vote_threshold(self, m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
                        m_out: torch.Tensor, b_out: torch.Tensor, theta: torch.Tensor) -> None: ...
 
+    # BinSGDM's draws over one flat bucket: numpy's Philox per piece (see reference.vote_uniform)
+    def vote_uniform_table(self, offsets, indices, device) -> object: ...
+
+    def vote_uniform(self, out: torch.Tensor, table, *, seed: int, stream: int, step: int) -> None: ...
+
 
 class Bounds(tuple):
     """Piece bounds (host ints) that own their backend's derived tables for as long as they live.
@@ -228,3 +233,27 @@ def check_vote(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, m_out: torch.T
     if len(set(lengths)) != 1:
         raise ValueError(f"vote_threshold: lengths differ: {lengths}")
     return lengths[0]
+
+
+def check_vote_pieces(offsets, indices) -> tuple[list[int], list[int]]:
+    """:func:`vote_uniform_table`'s host metadata as ints: ``offsets`` (``pieces + 1``,
+    non-decreasing from 0 or more) split a buffer into pieces, ``indices`` name each piece's
+    random stream (in ``[0, 2**63)``)."""
+    offsets = [int(o) for o in offsets]
+    indices = [int(i) for i in indices]
+    if len(offsets) != len(indices) + 1 or offsets[0] < 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"vote_uniform: offsets {offsets[:8]} do not split a buffer into {len(indices)} pieces")
+    if any(not 0 <= i < 2**63 for i in indices):
+        raise ValueError("vote_uniform: indices must be in [0, 2**63)")
+    return offsets, indices
+
+
+def check_vote_uniform(out: torch.Tensor, last_offset: int, seed: int, stream: int, step: int) -> None:
+    """:func:`vote_uniform`'s ``out`` (fp32, contiguous, holding every piece) and counters (in
+    ``[0, 2**64)``)."""
+    require(out, "out", torch.float32)
+    if last_offset > out.numel():
+        raise ValueError(f"vote_uniform: the pieces end at {last_offset}, out holds {out.numel()} elements")
+    for name, value in (("seed", seed), ("stream", stream), ("step", step)):
+        if not 0 <= int(value) < 2**64:
+            raise ValueError(f"vote_uniform: {name} must be in [0, 2**64), got {value}")

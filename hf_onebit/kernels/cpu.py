@@ -493,21 +493,17 @@ def vote_threshold(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: f
                     arrays[3], arrays[4], arrays[5])
 
 
-def vote_uniform(out: torch.Tensor, offsets: np.ndarray, indices: np.ndarray, *, seed: int, stream: int,
-                 step: int) -> None:
-    """BinSGDM's draws for a whole bucket in one call (CPU only; not part of the contract).
+def vote_uniform_table(offsets, indices, device) -> tuple:
+    """:func:`hf_onebit.kernels.reference.vote_uniform_table` as numpy arrays (made once per layout)."""
+    offsets, indices = contract.check_vote_pieces(offsets, indices)
+    return np.array(offsets, dtype=np.int64), np.array(indices, dtype=np.uint64)
 
-    ``out[offsets[i]:offsets[i+1]]`` gets exactly
-    ``np.random.Generator(np.random.Philox(key=[seed, stream], counter=[0, 0, indices[i], step]))
-    .random(n, dtype=np.float32)`` (a fresh generator per counter): what
-    :meth:`hf_onebit.optim.vote_streams.VoteStream.uniform_` draws for one parameter.
-    ``offsets`` (int64, one more than ``indices``, non-decreasing, within ``out``) and
-    ``indices`` (uint64) are host metadata.
-    """
+
+def vote_uniform(out: torch.Tensor, table, *, seed: int, stream: int, step: int) -> None:
+    """:func:`hf_onebit.kernels.reference.vote_uniform` (numpy's Philox per piece, bitwise) in one
+    numba call for the whole bucket, instead of resetting a numpy generator per parameter."""
+    offsets, indices = table
+    contract.check_vote_uniform(out, int(offsets[-1]), seed, stream, step)
     flat = _inplace_view("out", out, torch.float32)
-    if offsets.size != indices.size + 1 or (offsets.size and (offsets[0] < 0 or offsets[-1] > flat.size
-                                                               or np.any(np.diff(offsets) < 0))):
-        raise ValueError(f"vote_uniform: offsets {offsets} do not split {flat.size} elements into {indices.size} pieces")
     u64 = np.uint64
-    _vote_uniform(flat, offsets.astype(np.int64, copy=False), indices.astype(u64, copy=False), u64(step),
-                  u64(seed), u64(stream))
+    _vote_uniform(flat, offsets, indices, u64(step), u64(seed), u64(stream))

@@ -80,6 +80,8 @@ __all__ = [
     "unpack_codes",
     "levels",
     "vote_threshold",
+    "vote_uniform",
+    "vote_uniform_table",
 ]
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
@@ -473,3 +475,35 @@ def vote_threshold(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: f
     if eps == 0.0:  # 0/0 where the coordinate never had a gradient: z = 0 (|m| <= b = 0)
         theta.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
     theta.add_(1.0).mul_(0.5)
+
+
+def vote_uniform_table(offsets, indices, device) -> tuple:
+    """What :func:`vote_uniform` needs to know of a bucket layout (made once per layout): the
+    pieces' offsets in the buffer and their random-stream indices (host ints here)."""
+    return contract.check_vote_pieces(offsets, indices)
+
+
+def vote_uniform(out: torch.Tensor, table, *, seed: int, stream: int, step: int) -> None:
+    """BinSGDM's draws (spec §5): piece ``i`` of ``out``, ``out[offsets[i]:offsets[i+1]]``, gets
+    the float32 uniforms of a fresh numpy Philox-4x64 generator with key ``(seed, stream)`` and
+    counter ``[0, 0, indices[i], step]``: ``Generator(Philox(key=..., counter=...)).random(n,
+    float32)``. So the draws of a parameter depend on nothing but ``(seed, stream, step, index)``
+    (see :mod:`hf_onebit.optim.vote_streams`). Defined with numpy on the host; the fast backends
+    compute the same Philox blocks in one pass (bitwise the same)."""
+    import numpy as np
+
+    offsets, indices = table
+    contract.check_vote_uniform(out, offsets[-1], seed, stream, step)
+    key = np.array([int(seed), int(stream)], dtype=np.uint64)
+    bitgen = np.random.Philox(key=key)
+    gen = np.random.Generator(bitgen)
+    host = torch.empty(out.numel(), dtype=torch.float32)
+    for lo, hi, index in zip(offsets, offsets[1:], indices):
+        bitgen.state = {
+            "bit_generator": "Philox",
+            "state": {"counter": np.array([0, 0, index, int(step)], dtype=np.uint64), "key": key},
+            "buffer": np.zeros(4, dtype=np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0,
+        }
+        gen.random(out=host[lo:hi].numpy(), dtype=np.float32)
+    if offsets[-1] > offsets[0]:
+        out[offsets[0]:offsets[-1]].copy_(host[offsets[0]:offsets[-1]])

@@ -9,7 +9,8 @@ two simulated ranks, with one scale per chunk and with pieces, and compares ever
 and unpacked values exactly; scales and error buffers to fp32 rounding (the reference sums squares
 in float64). The same for the five operations of the b-bit exchange (spec §1b) at 8 and 4 bits,
 whose results (codes, max-abs scales, errors, average, unpacked values) must all be bitwise equal,
-and for BinSGDM's worker math (``vote_threshold``, with ``eps > 0`` and ``eps = 0``), bitwise too.
+and for BinSGDM's worker math (``vote_threshold``, with ``eps > 0`` and ``eps = 0``) and draws
+(``vote_uniform``), bitwise too.
 :func:`hf_onebit.attach` calls it for the CUDA buckets; ``hf-onebit check`` for whatever device is
 there.
 """
@@ -105,6 +106,11 @@ def _vote_run(kernels, device: torch.device) -> dict:
         outs = [torch.empty(200, device=device) for _ in range(3)]
         kernels.vote_threshold(m, b, grad, beta=0.9, eps=eps, m_out=outs[0], b_out=outs[1], theta=outs[2])
         got.update({f"vote {what} (eps={eps})": t for what, t in zip(("m", "b", "theta"), outs)})
+    # the draws: numpy's Philox per piece, pieces of 5, 0 and 195 elements, counters past 32 bits
+    draws = torch.full((200,), -1.0, device=device)
+    table = kernels.vote_uniform_table([0, 5, 5, 200], [3, 0, 2**40], device)
+    kernels.vote_uniform(draws, table, seed=2**64 - 1, stream=2**32 + 1, step=9)
+    got["vote draws"] = draws
     return got
 
 

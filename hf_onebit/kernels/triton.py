@@ -70,6 +70,7 @@ from .triton_kernels import (
     _server_sumsq_kernel,
     _unpack_scaled_kernel,
     _vote_threshold_kernel,
+    _vote_uniform_kernel,
     _worker_pack_kernel,
     _worker_sumsq_kernel,
 )
@@ -115,6 +116,8 @@ __all__ = [
     "worker_pack",
     "worker_scale",
     "vote_threshold",
+    "vote_uniform",
+    "vote_uniform_table",
 ]
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -627,4 +630,40 @@ def vote_threshold(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: f
         _vote_threshold_kernel[(triton.cdiv(numel, block),)](
             m, b, g, m_out, b_out, theta, numel, float(beta), float(1.0 - beta), float(eps),
             NAN_TO_ZERO=eps == 0.0, BLOCK=block, **_launch_options(block),
+        )
+
+
+def vote_uniform_table(offsets, indices, device) -> tuple:
+    """The device table :func:`vote_uniform` reads for one bucket layout, made once per layout (a
+    host-to-device copy): int64 rows of the pieces' offsets, their first Philox blocks (prefix
+    sums of ``ceil(n_i / 8)``) and their indices; with the last offset, kept on the host."""
+    offsets, indices = contract.check_vote_pieces(offsets, indices)
+    firsts = [0]
+    for a, b in zip(offsets, offsets[1:]):
+        firsts.append(firsts[-1] + (b - a + 7) // 8)
+    return torch.tensor([offsets, firsts, indices + [0]], dtype=torch.int64, device=device), offsets[-1]
+
+
+def vote_uniform(out: torch.Tensor, table, *, seed: int, stream: int, step: int, rows: int = 128) -> None:
+    """:func:`hf_onebit.kernels.reference.vote_uniform` (numpy's Philox per piece, bitwise) for
+    the whole bucket in one launch, so CUDA draws exactly what CPU draws. ``rows``: Philox blocks
+    (8 floats each) per program, a power of two. No host sync."""
+    device_table, last = table
+    contract.check_vote_uniform(out, last, seed, stream, step)
+    _same_device(out, device_table)
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"rows must be a power of two, got {rows}")
+    pieces = device_table.shape[1] - 1
+    if pieces == 0:
+        return
+    # an upper bound of the Philox blocks from host metadata (the exact count is on the device):
+    # the pieces lie within out, so there are at most numel/8 + pieces of them
+    bound = out.numel() // 8 + pieces
+    # 22-bit chunks: i32 arguments whatever the values (see the kernel); the search spans 2**16
+    # pieces (a bucket of more gets a second variant), so one compiled kernel serves every bucket
+    chunks = [(int(x) >> shift) & 0x3FFFFF for x in (seed, stream, step) for shift in (44, 22, 0)]
+    with _on_device(out):
+        _vote_uniform_kernel[(triton.cdiv(bound, rows),)](
+            out, device_table, pieces, *chunks, SEARCH_BITS=max(16, (pieces - 1).bit_length()), ROWS=rows,
+            **_launch_options(rows * 8),
         )

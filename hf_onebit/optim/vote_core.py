@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from hf_onebit.kernels import get_backend
@@ -149,10 +148,7 @@ class VoteLayout:
         self.theta = torch.zeros(padded, **f32)
         self.theta_n = self.theta[: self.numel]
         self.uniform = torch.empty(self.numel, **f32)
-        self.uniform_flat = [self.uniform[it.offset: it.offset + it.numel] for it in items]  # for the draws
-        # the draws' host metadata: each item's stretch and random-stream index
-        self.draw_offsets = np.array([it.offset for it in items] + [self.numel], dtype=np.int64)
-        self.draw_indices = np.array([it.index for it in items], dtype=np.uint64)
+        self._draw_table: tuple | None = None  # (kernel backend, its vote_uniform_table of the items)
         self.uniform_views = _views(self.uniform, items)
         self.votes = torch.zeros(padded, dtype=torch.bool, device=device)
         self.votes_n = self.votes[: self.numel]
@@ -215,10 +211,13 @@ class VoteLayout:
             fused(m, b, g, beta=beta, eps=eps, m_out=m_out, b_out=b_out, theta=theta)
 
     def draw(self, stream, t: int) -> None:
-        """The uniforms of step ``t`` from ``stream`` into ``uniform``: each parameter's draws
-        depend only on its index (see :mod:`.vote_streams`); on CPU one call for the bucket, on
-        CUDA one ``torch.rand`` per parameter."""
-        stream.uniform_many_(self.uniform, t, self.draw_offsets, self.draw_indices, self.uniform_flat)
+        """The uniforms of step ``t`` from ``stream`` into ``uniform``, in one kernel call for the
+        bucket (each parameter's draws depend only on its index: see :mod:`.vote_streams`)."""
+        kernels = get_backend(self.device)
+        if self._draw_table is None or self._draw_table[0] is not kernels:  # once per layout
+            offsets = [it.offset for it in self.items] + [self.numel]
+            self._draw_table = (kernels, kernels.vote_uniform_table(offsets, [it.index for it in self.items], self.device))
+        stream.uniform_many_(self.uniform, t, kernels, self._draw_table[1])
 
     # ---------------------------------------------------------------- the bucket's gradients
     def is_direct(self, buffer: torch.Tensor, grads: Sequence[torch.Tensor]) -> bool:

@@ -85,26 +85,44 @@ def test_vote_threshold_writes_in_place_over_its_inputs(backend, block):
         assert_bitwise_equal(a, w, name)
 
 
-@pytest.mark.parametrize("seed, stream, step", [(0, 0, 1), (2**64 - 1, 2**32 + 3, 10**6), (123456789, 1, 7)])
-def test_cpu_bucket_draws_are_numpys_philox_per_parameter(seed, stream, step):
-    """BinSGDM draws a whole bucket in one numba call (``cpu.vote_uniform``): each parameter's
-    stretch must be bitwise what a fresh numpy Philox generator of its counter draws, for stretches
-    of every length modulo 8 (each Philox block gives 8 floats), empty ones included."""
+DRAW_CASES = per_backend(
+    "seed, stream, step",
+    cpu=[(0, 0, 1), (2**64 - 1, 2**32 + 3, 10**6), (123456789, 1, 7)],
+    triton=[(rows, seed, stream, step) for rows in (1, 2, 128)
+            for seed, stream, step in ((0, 0, 1), (2**64 - 1, 2**32 + 3, 10**6))],
+)
+
+
+@pytest.mark.parametrize(*DRAW_CASES)
+def test_bucket_draws_are_numpys_philox_per_parameter(backend, seed, stream, step):
+    """BinSGDM draws a whole bucket in one call (``vote_uniform``): each parameter's stretch must
+    be bitwise what a fresh numpy Philox generator of its counter draws (the reference, and
+    ``VoteStream.uniform_`` one parameter at a time), for stretches of every length modulo 8 (a
+    Philox block gives 8 floats), empty ones included; nothing outside the stretches is written."""
     import numpy as np
 
-    from hf_onebit.kernels import cpu
     from hf_onebit.optim.vote_streams import VoteStream
 
     sizes = [0, 1, 7, 8, 9, 15, 16, 17, 1000, 3]
-    indices = np.array([5, 0, 2**40, 7, 1, 2, 3, 4, 9, 6], dtype=np.uint64)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    out = torch.full((int(offsets[-1]),), -1.0)
-    cpu.vote_uniform(out, offsets, indices, seed=seed, stream=stream, step=step)
+    indices = [5, 0, 2**40, 7, 1, 2, 3, 4, 9, 6]
+    offsets = [3] + [3 + int(s) for s in np.cumsum(sizes)]  # starting at 3: a prefix nobody owns
+    want = torch.full((offsets[-1] + 2,), -1.0)
+    ref.vote_uniform(want, ref.vote_uniform_table(offsets, indices, "cpu"), seed=seed, stream=stream, step=step)
     one_by_one = VoteStream(seed, stream)
-    for i, index in enumerate(indices.tolist()):
-        want = torch.empty(sizes[i])
-        one_by_one.uniform_(want, step, index)
-        assert_bitwise_equal(out[offsets[i]:offsets[i + 1]], want, f"parameter {i}")
-    assert bool((out >= 0).all() and (out < 1).all())
-    with pytest.raises(ValueError, match="do not split"):
-        cpu.vote_uniform(out, offsets[:-1], indices, seed=seed, stream=stream, step=step)
+    for i, index in enumerate(indices):
+        alone = one_by_one.uniform_(torch.empty(sizes[i]), step, index)
+        assert_bitwise_equal(want[offsets[i]:offsets[i + 1]], alone, f"reference, parameter {i}")
+    module = backend.module
+    fn = module.vote_uniform
+    if backend.name == "triton":
+        fn = functools.partial(fn, rows=backend.kw["block"])
+    got = torch.full_like(want, -1.0)
+    if backend.name == "triton" and ON_DEVICE:
+        there = got.cuda()
+        fn(there, module.vote_uniform_table(offsets, indices, "cuda"), seed=seed, stream=stream, step=step)
+        got = there.cpu()
+    else:
+        fn(got, module.vote_uniform_table(offsets, indices, "cpu"), seed=seed, stream=stream, step=step)
+    assert_bitwise_equal(got, want, "draws")
+    assert bool((got[3:-2] >= 0).all() and (got[3:-2] < 1).all())
+    assert got[:3].eq(-1).all() and got[-2:].eq(-1).all()

@@ -104,6 +104,13 @@ BAD_CALLS = {
     "vote g not fp32": (lambda k: _vote(k, g=torch.zeros(8, dtype=torch.bfloat16)), TypeError, "g must be torch.float32"),
     "vote m_out strided": (lambda k: _vote(k, m_out=torch.zeros(16)[::2]), ValueError, "m_out must be contiguous"),
     "vote lengths": (lambda k: _vote(k, theta=torch.zeros(7)), ValueError, r"lengths differ: \[8, 8, 8, 8, 8, 7\]"),
+    "draw offsets": (lambda k: k.vote_uniform_table([0, 8, 4], [1, 2], "cpu"), ValueError, "do not split"),
+    "draw pieces": (lambda k: k.vote_uniform_table([0, 8], [1, 2], "cpu"), ValueError, "do not split"),
+    "draw index": (lambda k: k.vote_uniform_table([0, 8], [-1], "cpu"), ValueError, r"indices must be in \[0, 2\*\*63\)"),
+    "draw out short": (lambda k: k.vote_uniform(torch.zeros(7), k.vote_uniform_table([0, 8], [1], "cpu"), seed=0,
+                                                stream=0, step=1), ValueError, "the pieces end at 8, out holds 7"),
+    "draw seed": (lambda k: k.vote_uniform(torch.zeros(8), k.vote_uniform_table([0, 8], [1], "cpu"), seed=2**64,
+                                           stream=0, step=1), ValueError, r"seed must be in \[0, 2\*\*64\)"),
 }
 
 
