@@ -23,7 +23,7 @@ __all__ = [
     "note_fsdp_not_run", "refuse_arguments",
 ]
 
-DOCS = "docs/integrations.md"
+DOCS = "the user guide, Integrations, section Refusals"
 
 
 def _env_int(env: Mapping[str, str], key: str) -> int | None:
@@ -57,7 +57,8 @@ def check_launch(num_processes: int, env: Mapping[str, str] | None = None, dist_
         f"hf_onebit: this process was launched as one of {launched} (WORLD_SIZE/LOCAL_WORLD_SIZE), but {how}:"
         " every rank would train alone and nothing would be communicated. On a machine without a GPU"
         " Accelerate only forms a CPU process group when ACCELERATE_USE_CPU=1 is set: run"
-        " `ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml script.py ...`,"
+        " `ACCELERATE_USE_CPU=1 accelerate launch --config_file cpu_2proc.yaml script.py ...` (the config:"
+        " `hf-onebit config cpu_2proc --write cpu_2proc.yaml`),"
         " or start the script through `python -m hf_onebit.run script.py ...` (it sets ACCELERATE_USE_CPU=1"
         f" when there is no GPU). Note that `accelerate launch --cpu` starts a single process. See {DOCS}."
     )
@@ -88,9 +89,10 @@ def fsdp_message() -> str:
         "hf_onebit's Trainer/Accelerate integration does not support FSDP yet: Accelerate shards the model"
         " itself (for HSDP on a 2-D mesh whose full-precision replica all-reduce hf_onebit cannot replace)."
         " Use plain DDP (drop --fsdp / `distributed_type: FSDP`; e.g."
-        " recipes/accelerate/single_node_multi_gpu.yaml), or keep FSDP with a standard optimizer such as"
+        " the shipped config single_node_multi_gpu: `hf-onebit config single_node_multi_gpu --write ddp.yaml`),"
+        " or keep FSDP with a standard optimizer such as"
         " --optim adamw_torch. In a plain PyTorch loop, FSDP2 sharded inside each node works with"
-        " hf_onebit.attach (docs/api.md, 'With FSDP2')."
+        " hf_onebit.attach (the user guide, API reference, 'With FSDP2')."
     )
 
 
@@ -98,7 +100,8 @@ def deepspeed_message() -> str:
     return (
         "hf_onebit does not support DeepSpeed (ZeRO or otherwise): it works on plain PyTorch DDP. Drop"
         " --deepspeed / `distributed_type: DEEPSPEED` and launch with plain DDP (e.g."
-        " recipes/accelerate/single_node_multi_gpu.yaml), or use DeepSpeed's own OneBitAdam / ZeroOneAdam /"
+        " the shipped config single_node_multi_gpu: `hf-onebit config single_node_multi_gpu --write ddp.yaml`),"
+        " or use DeepSpeed's own OneBitAdam / ZeroOneAdam /"
         " OneBitLamb with ZeRO stage 0 (DeepSpeed <= 0.19.6) instead of hf_onebit."
     )
 
@@ -109,7 +112,8 @@ def model_parallel_message(what: str) -> str:
         " the gradient all-reduce of data-parallel training, where every rank holds the whole model in"
         " one DistributedDataParallel module. Load the model on one device per process (no"
         " device_map='auto', no tp_plan) and launch one process per device, e.g. with"
-        " recipes/accelerate/single_node_multi_gpu.yaml; for a model that does not fit on one device use"
+        " the shipped config single_node_multi_gpu (`hf-onebit config single_node_multi_gpu --write ddp.yaml`);"
+        " for a model that does not fit on one device use"
         " FSDP or DeepSpeed with a standard optimizer."
     )
 
@@ -190,7 +194,7 @@ def check_trainer(trainer) -> None:
         raise UnsupportedSetup(
             f"hf_onebit does not support torch.nn.DataParallel (one process driving {trainer.args.n_gpu} GPUs):"
             " launch one process per GPU, e.g. accelerate launch --config_file"
-            " recipes/accelerate/single_node_multi_gpu.yaml script.py ..."
+            " ddp.yaml script.py ... (the config: `hf-onebit config single_node_multi_gpu --write ddp.yaml`)"
         )
     if getattr(trainer.args, "enable_jit_checkpoint", False):
         raise UnsupportedSetup(

@@ -46,7 +46,8 @@ because only the launcher adds hf_onebit's names to transformers' --optim choice
 "-m hf_onebit.run" before the script (as above), or add
   import hf_onebit.integrations.patch; hf_onebit.integrations.patch.install()
 at the top of the script, or use hf_onebit.OneBitTrainingArguments / OneBitTrainer in it.
-See docs/integrations.md (Troubleshooting)."""
+Needs transformers and accelerate: pip install 'hf-onebit[hf]'. More in the user guide,
+Troubleshooting, "argument --optim: invalid choice"."""
 
 def _has_accelerator() -> bool:
     import torch

@@ -84,7 +84,10 @@ def _internals():
         from transformers import Trainer, TrainingArguments
         from transformers.training_args import OptimizerNames
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
-        raise PatchError(f"hf_onebit: cannot import transformers' Trainer ({exc})") from exc
+        raise PatchError(
+            f"hf_onebit: cannot import transformers' Trainer ({exc}). The launcher, OneBitTrainer and"
+            " OneBitAccelerator need the hf extra: pip install 'hf-onebit[hf]' (transformers and accelerate)"
+        ) from exc
     if not (isinstance(OptimizerNames, enum.EnumMeta) and issubclass(OptimizerNames, str)):
         raise PatchError(f"hf_onebit: transformers' OptimizerNames is not a str Enum (patch checked with {CHECKED_WITH})")
     raw = Trainer.__dict__.get("get_optimizer_cls_and_kwargs")
