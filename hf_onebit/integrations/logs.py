@@ -27,15 +27,17 @@ key                             meaning (all for *this* rank; bytes as :mod:`hf_
                                 the hand-over of a step's last job (the end of backward, or inside
                                 ``step()``) to the end of its jobs
 ``onebit/hidden_share``         ``1 - exchange_wait / comm`` over the steps since the last log: the
-                                share of communication time hidden behind backward (0..1); absent
-                                while nothing was communicated
+                                share of communication time hidden behind backward, clipped to 0..1
+                                (the wait includes the hand-over to the communication thread, so a
+                                model in one DDP bucket shows 0); absent while nothing was communicated
 =============================== =================================================================
 
 Ratios are left out while nothing has been sent yet. The time keys cover the steps whose
 communication has completed: on CPU every step up to the log; on CUDA the time is read from
 events that are never waited for, so a step whose events have not completed by the log is counted
 in the next one (see :mod:`hf_onebit.comm.stats`). Times are measured in this process (they start
-again from zero after a resume).
+again from zero after a resume) and include the one-off compilation of the CPU kernels in the first
+steps of each phase.
 
 At the end of training :meth:`CompressionLog.summary` gives a one-line report (bytes against fp32
 DDP, and the communication time saved at the link speed measured during the run); the Trainer
