@@ -34,6 +34,8 @@ class Segment:
     comm: CompressedAllReduce
     device: torch.device
     _work: torch.Tensor | None = None
+    #: ``(parameters, their views of work)`` made by :meth:`shaped_views`, kept with the buffer
+    _shaped: tuple | None = None
 
     @property
     def work(self) -> torch.Tensor:
@@ -57,6 +59,18 @@ class Segment:
         fresh one, see :attr:`work`).
         """
         self._work = None
+        self._shaped = None
+
+    def shaped_views(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The segment's parameters (in key order) and their ranges of :attr:`work`, each viewed in
+        its parameter's shape; made once while the buffer lives (``params``: every parameter, in
+        the optimizer's order), so a step's list ops over them cost no per-tensor view ops."""
+        chosen = [params[i] for i in self.key]
+        cached = self._shaped
+        if cached is None or cached[2] is not self._work or any(a is not b for a, b in zip(cached[0], chosen)):
+            work = self.work
+            self._shaped = cached = (chosen, [view.view(p.shape) for p, view in self.views(params)], work)
+        return cached[0], cached[1]
 
     def views(self, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(p, p's flat range of work)`` for each parameter of the segment, in key order

@@ -38,8 +38,10 @@ def bucket_gradients(bucket: dist.GradBucket) -> list:
 
 
 def compress_bucket(opt: OneBitOptimizer, call, segments: list[Segment]) -> torch.Tensor:
-    """Runs on the communication thread: the optimizer prepares what each parameter sends, each
-    segment is compressed and exchanged, the optimizer writes each parameter's ``.grad``.
+    """Runs on the communication thread: the optimizer prepares what the parameters of each
+    segment send, the segment is compressed and exchanged, the optimizer writes their ``.grad``
+    (list ops per segment, :meth:`~hf_onebit.optim.OneBitOptimizer.prepare_bucket`, so the cost
+    does not grow with the number of tensors).
 
     ``call`` is the hook's :class:`~hf_onebit.hook.state.BucketCall`. Its ``scale`` (the loss
     scaler's 0-dim scale tensor, or ``None``) stays on the device: a
@@ -66,18 +68,15 @@ def compress_bucket(opt: OneBitOptimizer, call, segments: list[Segment]) -> torc
         # re-wrap) is no longer needed: keeping it would cost 4 bytes per parameter for good.
         # (Its last use, last step's exchange, is complete: DDP waited for it before step().)
         seg0.release_work()
-        for p, g in zip(params, grads):
-            opt.prepare_send(plan, p, g, g.reshape(-1), inv)
+        opt.prepare_bucket(plan, params, grads, grads, inv)  # the gradients are the bucket: in place
         seg0.comm(buffer, width=width)
-        for p, g in zip(params, grads):
-            opt.finish_receive(plan, p, g.reshape(-1), g, scale)
+        opt.finish_bucket(plan, params, grads, grads, scale)
         return buffer
     position = {id(p): k for k, p in enumerate(params)}
     for seg in segments:
-        views = seg.views(all_params)
-        for p, view in views:
-            opt.prepare_send(plan, p, grads[position[id(p)]], view, inv)
+        seg_params, views = seg.shaped_views(all_params)
+        seg_grads = [grads[position[id(p)]] for p in seg_params]
+        opt.prepare_bucket(plan, seg_params, seg_grads, views, inv)
         seg.comm(seg.work, width=width)
-        for p, view in views:
-            opt.finish_receive(plan, p, view, grads[position[id(p)]], scale)
+        opt.finish_bucket(plan, seg_params, views, seg_grads, scale)
     return buffer

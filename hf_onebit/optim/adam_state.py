@@ -23,8 +23,8 @@ def import_adam_state(opt: OneBitOptimizer, state_dict: dict) -> None:
 
     The hyperparameters stay those this optimizer was built with (not the checkpoint's).
     Warmup and freezing follow the step count: a checkpoint past ``freeze_step`` starts
-    compressing at once. Coordinates whose variance is exactly zero never had a gradient,
-    which is what the automatic mask records, so masks are seeded from it.
+    compressing at once. Coordinates whose variance is exactly zero never had a gradient, which
+    is what the automatic mask reads (:mod:`hf_onebit.optim.masks`).
     """
     if not opt.imports_adam_state:
         raise ValueError(
@@ -45,8 +45,6 @@ def import_adam_state(opt: OneBitOptimizer, state_dict: dict) -> None:
         state = opt._init_state(p)
         state["exp_avg"].copy_(saved["exp_avg"])
         state["exp_avg_sq"].copy_(saved["exp_avg_sq"])
-        if "nonzero" in state:
-            state["nonzero"].copy_(saved["exp_avg_sq"] != 0)
         steps = max(steps, int(saved["step"]))
     opt.steps_done = steps
     opt._last_phase = opt.phase()

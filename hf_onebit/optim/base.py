@@ -20,7 +20,6 @@ from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce
 from hf_onebit.comm.segments import Segment, SegmentRegistry
 from hf_onebit.comm.topology import NodeTopology, check_same_local_world_size, node_topology
 from hf_onebit.optim import adam_state, guards, rank_state
-from hf_onebit.optim.tensors import write_flat_
 from hf_onebit.optim.validation import check_betas, check_bool, check_common
 from hf_onebit.optim.workspace import Workspace
 
@@ -43,8 +42,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
     """Base class: a phase machine whose :meth:`plan` drives the communication hook.
 
     Subclasses implement :meth:`plan`, :meth:`phase`, :meth:`step`, and for the compressed
-    plans :meth:`prepare_send` / :meth:`finish_receive` (what is sent for one parameter and what
-    lands in its ``.grad``). Global counters live in :meth:`global_state` and travel in
+    plans :meth:`prepare_bucket` / :meth:`finish_bucket` (what the parameters of a segment send
+    and what lands in their ``.grad``, as list ops). Global counters live in :meth:`global_state` and travel in
     ``state_dict()["onebit"]``; per-rank state (error buffers, local accumulators) travels in
     :meth:`rank_state_dict`.
     """
@@ -117,36 +116,55 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """Human-readable name of the coming step's phase (logged at every change)."""
         raise NotImplementedError
 
-    def prepare_send(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
-                     inv_scale: torch.Tensor | float | None) -> None:
-        """Write the fp32 vector to communicate for parameter ``p`` into ``out`` (flat).
+    def prepare_bucket(self, plan: Plan, params: list[torch.Tensor], grads: list[torch.Tensor],
+                       outs: list[torch.Tensor], inv_scale: torch.Tensor | float | None) -> None:
+        """Write the fp32 values to communicate for each of ``params`` into ``outs``, with list ops.
 
-        ``inv_scale``: ``None`` without a loss scaler, else what unscales ``grad`` (the hook
-        passes a 0-dim tensor on the device, see :func:`hf_onebit.hook.buckets.compress_bucket`; never compare it
-        with a number, which would wait for the device).
+        ``grads`` and ``outs`` are shaped like the parameters (``outs`` fp32 and contiguous;
+        ``outs is grads`` when a bucket is compressed in place). ``inv_scale``: ``None`` without a
+        loss scaler, else what unscales ``grads`` (the hook passes a 0-dim tensor on the device,
+        see :func:`hf_onebit.hook.buckets.compress_bucket`; never compare it with a number, which
+        would wait for the device). One call per segment, whatever its number of tensors.
         """
         if plan in (Plan.COMPRESS_GRADIENT, Plan.QUANTIZE_GRADIENT):
-            out.copy_(grad.reshape(-1))
+            if outs is not grads:
+                torch._foreach_copy_(outs, grads)
             if inv_scale is not None:
-                out.mul_(inv_scale)
+                torch._foreach_mul_(outs, inv_scale)
             return
         raise NotImplementedError(f"{type(self).__name__} does not prepare {plan.value}")
 
+    def finish_bucket(self, plan: Plan, params: list[torch.Tensor], results: list[torch.Tensor],
+                      grads: list[torch.Tensor], scale: torch.Tensor | float | None) -> None:
+        """Write what each ``.grad`` holds after the hook, from the fp32 ``results``.
+
+        ``results is grads`` for a bucket compressed in place (then nothing is left to copy);
+        otherwise ``results`` are the segment's work views, free to overwrite. ``scale``:
+        ``None`` without a loss scaler, else the loss scale (as ``inv_scale`` above).
+        """
+        if scale is not None:
+            torch._foreach_mul_(results, scale)
+        if results is not grads:
+            torch._foreach_copy_(grads, results)  # logical order, whatever the gradients' strides
+
+    def prepare_send(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                     inv_scale: torch.Tensor | float | None) -> None:
+        """:meth:`prepare_bucket` for one parameter, ``out`` flat (for tests and tools)."""
+        self.prepare_bucket(plan, [p], [grad], [out.view(p.shape)], inv_scale)
+
     def finish_receive(self, plan: Plan, p: torch.Tensor, result: torch.Tensor, grad: torch.Tensor,
                        scale: torch.Tensor | float | None) -> None:
-        """Write what ``.grad`` of ``p`` holds after the hook, from the fp32 ``result`` (flat).
+        """:meth:`finish_bucket` for one parameter, ``result`` flat (for tests and tools)."""
+        self.finish_bucket(plan, [p], [result.view(p.shape)], [grad], scale)
 
-        ``result`` may be ``grad`` itself (a bucket compressed in place): keep this alias-safe.
-        ``scale``: ``None`` without a loss scaler, else the loss scale (as ``inv_scale`` above).
-        """
-        if scale is None:
-            if result.data_ptr() == grad.data_ptr():
-                return
-            write_flat_(grad, result)
-        elif grad.is_contiguous():
-            torch.mul(result, scale, out=grad.view(-1))
-        else:
-            write_flat_(grad, torch.mul(result, scale))
+    def _by_group(self, params: list[torch.Tensor], value: Callable[[dict], object]) -> list[tuple[object, list[int]]]:
+        """The positions in ``params`` grouped by ``value(param group)`` (e.g. ``β1``): one list op
+        per distinct value, in first-seen order."""
+        groups = self._group_map()
+        out: dict = {}
+        for i, p in enumerate(params):
+            out.setdefault(value(groups[id(p)]), []).append(i)
+        return list(out.items())
 
     #: Bits per element of the exchanges the papers make at full precision (the warmups):
     #: ``None`` for the full-precision all-reduce (the spec), 8 or 4 for spec §1b's b-bit exchange

@@ -7,6 +7,12 @@ hands it ``±scale`` every step like any other coordinate, and with ``v == 0`` t
 optimizer records during warmup which coordinates were ever non-zero and masks the others when
 compression starts (``auto_mask``), unless a mask was set explicitly with ``set_mask``.
 
+"Ever non-zero" needs no bookkeeping per step: the variance ``v = β2·v + (1-β2)·g²`` starts at
+exactly 0 and stays exactly 0 for as long as every ``g`` is exactly 0, so where ``v == 0`` at the
+freeze the averaged gradient was zero on every warmup step (or so small, below ~1e-22, that its
+square underflowed: the tiny-RMS rule below masks such coordinates anyway). The masks are made
+from ``v`` when compression starts.
+
 The same runaway hits coordinates whose gradient is not exactly zero but negligible: BERT's
 attention key biases get ~1e-12 (softmax ignores the constant they add), so ``sqrt(v) << eps``
 and 1-bit Adam moved them by ~12 per step from scratch. ``auto_mask`` therefore also masks
@@ -54,33 +60,27 @@ class ZeroGradientMasks:
                 raise ValueError(f"mask shape {tuple(mask.shape)} does not match parameter shape {tuple(p.shape)}")
             state["mask"] = mask.to(device=p.device, dtype=torch.bool)
         state["mask_explicit"] = True
-        state.pop("nonzero", None)
+        state.pop("mask_refresh", None)
 
     def _init_state(self, p: torch.Tensor) -> dict:
-        """Adam's moments ``exp_avg``, ``exp_avg_sq`` (fp32, ``p``'s memory format), what
-        :meth:`_init_extra_state` adds, and the mask tracking: made at ``p``'s first use."""
+        """Adam's moments ``exp_avg``, ``exp_avg_sq`` (fp32, ``p``'s memory format) and what
+        :meth:`_init_extra_state` adds: made at ``p``'s first use."""
         state = self.state[p]
         if "exp_avg" not in state:
             f32 = dict(dtype=torch.float32, memory_format=torch.preserve_format)
             state["exp_avg"] = torch.zeros_like(p, **f32)
             state["exp_avg_sq"] = torch.zeros_like(p, **f32)
             self._init_extra_state(p, state)
-            self.init_mask_tracking(p, state)
         return state
 
     def _init_extra_state(self, p: torch.Tensor, state: dict) -> None:
         """Per-parameter state besides Adam's moments (1-bit LAMB's); none by default."""
 
-    def init_mask_tracking(self, p: torch.Tensor, state: dict) -> None:
-        """Start recording where ``p``'s gradient is ever non-zero (called with fresh state)."""
-        if self.auto_mask and not state.get("mask_explicit"):
-            state["nonzero"] = torch.zeros_like(p, dtype=torch.bool)
-
-    @staticmethod
-    def track_nonzero(state: dict, grad: torch.Tensor) -> None:
-        """During warmup: remember the coordinates where the averaged gradient was non-zero."""
-        if "nonzero" in state:
-            state["nonzero"].logical_or_(grad != 0)
+    def apply_masks_(self, chunk, moments: list[torch.Tensor]) -> None:
+        """``m *= mask`` for the parameters of ``chunk`` that have a mask (one list op)."""
+        masked = [(m, s["mask"]) for m, s in zip(moments, chunk.states) if "mask" in s]
+        if masked:
+            torch._foreach_mul_([m for m, _ in masked], [mask for _, mask in masked])
 
     def _tiny_rms_threshold(self, group: dict) -> float:
         """``sqrt(v)`` below this is masked: ``sqrt(v / c) >= TINY·eps  <=>  sqrt(v) >= TINY·eps·sqrt(c)``
@@ -88,28 +88,28 @@ class ZeroGradientMasks:
         return TINY_GRADIENT_RMS * group["eps"] * math.sqrt(self.frozen_variance_correction(group))
 
     def freeze_masks(self, keep_tracking: bool = False) -> int:
-        """When compression starts: turn "never non-zero" into masks; returns how many were masked.
+        """When compression starts: mask what was never non-zero or stayed tiny; returns how many.
 
-        ``keep_tracking``: go on recording where the gradient is non-zero, so that
-        :meth:`unmask_seen` can release masked coordinates later (0/1 Adam's ``refresh_mask``).
+        ``keep_tracking``: :meth:`unmask_seen` may release masked coordinates later (0/1 Adam's
+        ``refresh_mask``). One-time work, per tensor.
         """
         zero = tiny = 0
         groups = self._group_map()
         for p in self.params_in_order():
             state = self.state.get(p, {})
-            nonzero = state.get("nonzero") if keep_tracking else state.pop("nonzero", None)
-            if nonzero is None or state.get("mask_explicit") or not self.auto_mask:
+            state.pop("nonzero", None)  # the per-step record of checkpoints from before masks came from v
+            if state.get("mask_explicit") or not self.auto_mask or "exp_avg_sq" not in state:
                 continue
-            keep = nonzero.clone() if keep_tracking else nonzero
+            v = state["exp_avg_sq"]
+            keep = v != 0  # ever non-zero (see the module docstring)
             zero += int((~keep).sum())
-            if "exp_avg_sq" in state:
-                above = state["exp_avg_sq"].sqrt() >= self._tiny_rms_threshold(groups[id(p)])
-                tiny += int((keep & ~above).sum())
-                keep &= above
+            above = v.sqrt() >= self._tiny_rms_threshold(groups[id(p)])
+            tiny += int((keep & ~above).sum())
+            keep &= above
             if not bool(keep.all()):
                 state["mask"] = keep  # bool: 1 byte per coordinate
-            elif keep_tracking:
-                state.pop("nonzero")  # nothing masked here: nothing to release later
+                if keep_tracking:
+                    state["mask_refresh"] = True
         if (zero or tiny) and self.rank == 0:
             logger.warning(
                 "hf_onebit: masking %d coordinates whose gradient was zero on every warmup step and %d whose"
@@ -120,22 +120,22 @@ class ZeroGradientMasks:
 
     def unmask_seen(self, state: dict, group: dict) -> None:
         """After a variance update (0/1 Adam's ``refresh_mask``): release the masked coordinates
-        whose averaged gradient has now been non-zero and whose ``sqrt(v)`` reached the tiny-RMS
-        threshold. Once nothing of the tensor stays masked, its mask and tracking go."""
+        whose averaged gradient has now been non-zero (``v != 0``) and whose ``sqrt(v)`` reached
+        the tiny-RMS threshold. Once nothing of the tensor stays masked, its mask goes."""
         mask = state.get("mask")
-        nonzero = state.get("nonzero")  # never kept beside an explicit mask (set_mask drops it)
-        if mask is None or nonzero is None:
+        if mask is None or not state.get("mask_refresh"):  # never beside an explicit mask (set_mask)
             return
-        mask |= nonzero & (state["exp_avg_sq"].sqrt() >= self._tiny_rms_threshold(group))
+        v = state["exp_avg_sq"]
+        mask |= (v != 0) & (v.sqrt() >= self._tiny_rms_threshold(group))
         if bool(mask.all()):
-            del state["mask"], state["nonzero"]
+            del state["mask"], state["mask_refresh"]
 
     def stop_mask_tracking(self) -> int:
         """At the freeze: the masks stay as they are from now on; returns how many coordinates stay masked."""
         masked = 0
         for p in self.params_in_order():
             state = self.state.get(p, {})
-            state.pop("nonzero", None)
+            state.pop("mask_refresh", None)
             if "mask" in state and not state.get("mask_explicit"):
                 masked += int((~state["mask"]).sum())
         return masked

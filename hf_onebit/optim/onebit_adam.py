@@ -22,19 +22,18 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
+from hf_onebit.optim.foreach import Chunk, chunks
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.tensors import update_in_fp32_
-from hf_onebit.optim.update_clip import check_update_clip, clip_root_
+from hf_onebit.optim.update_clip import check_update_clip, clip_roots_
 from hf_onebit.optim.validation import check_warmup_bits
-from hf_onebit.optim.workspace import Workspace
 
 
 def adam_update_(
-    p: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
+    chunk: Chunk,
+    m: list[torch.Tensor],
+    v: list[torch.Tensor],
     *,
     lr: float,
     eps: float,
@@ -42,21 +41,23 @@ def adam_update_(
     bias_correction1: float,
     bias_correction2: float,
     update_clip: float | None = None,
-    workspace: Workspace | None = None,
 ) -> None:
-    """``p -= lr·(m̂/(sqrt(v̂)+eps) + wd·p)`` in AdamW's operation order (the functional core).
+    """``p -= lr·(m̂/(sqrt(v̂)+eps) + wd·p)`` in AdamW's operation order, over a chunk's lists
+    (the functional core; temporaries in the chunk's workspace slots 0 and 1).
 
     With ``update_clip = c`` the denominator is ``max(sqrt(v̂), |m̂|/c) + eps``: no coordinate
-    moves by more than ``c·lr`` (see :class:`OneBitAdam`'s ``update_clip``). A ``workspace``
-    holds the temporaries (same results; see :mod:`hf_onebit.optim.workspace`).
+    moves by more than ``c·lr`` (see :class:`OneBitAdam`'s ``update_clip``).
     """
     if weight_decay:
-        p.mul_(1 - lr * weight_decay)
-    denom = torch.sqrt(v, out=None if workspace is None else workspace.get(0, v)).div_(math.sqrt(bias_correction2))
+        torch._foreach_mul_(chunk.params, 1 - lr * weight_decay)
+    denom = chunk.scratch(0)
+    torch._foreach_copy_(denom, v)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_div_(denom, math.sqrt(bias_correction2))
     if update_clip is not None:
-        clip_root_(denom, m, bias_correction1 * update_clip, None if workspace is None else workspace.get(1, m))
-    denom.add_(eps)
-    update_in_fp32_(p, lambda w: w.addcdiv_(m, denom, value=-lr / bias_correction1))
+        clip_roots_(denom, m, bias_correction1 * update_clip, chunk.scratch(1))
+    torch._foreach_add_(denom, eps)
+    chunk.update_params_(lambda w: torch._foreach_addcdiv_(w, m, denom, value=-lr / bias_correction1), slot=2)
 
 
 class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
@@ -153,51 +154,56 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         return 1 - group["betas"][1] ** max(self.freeze_step, 1)
 
     # ---------------------------------------------------------------- the hook side
-    def prepare_send(self, plan, p, grad, out, inv_scale) -> None:
+    def prepare_bucket(self, plan, params, grads, outs, inv_scale) -> None:
+        """Compression phase: ``out = β1·m + (1-β1)·g`` per parameter (``g`` unscaled), one list op per ``β1``."""
         if plan is not Plan.COMPRESS_MOMENTUM:
-            return super().prepare_send(plan, p, grad, out, inv_scale)
-        beta1 = self._group_map()[id(p)]["betas"][0]
-        # _init_state: with freeze_step=0 compression starts before any step() created the state
-        m = self._init_state(p)["exp_avg"].reshape(-1)
-        g = grad.reshape(-1)
-        if not (g.dtype == torch.float32 and inv_scale is None):
-            g = out.copy_(g)
+            return super().prepare_bucket(plan, params, grads, outs, inv_scale)
+        if inv_scale is not None or grads[0].dtype != torch.float32:
+            # the fp32, unscaled gradient goes into out first (out may be the gradient itself)
+            if outs is not grads:
+                torch._foreach_copy_(outs, grads)
             if inv_scale is not None:
-                g.mul_(inv_scale)
-        torch.lerp(m, g, 1 - beta1, out=out)  # β1·m + (1-β1)·g in one pass (out may alias g)
+                torch._foreach_mul_(outs, inv_scale)
+            grads = outs
+        for beta1, index in self._by_group(params, lambda g: g["betas"][0]):
+            # _init_state: with freeze_step=0 compression starts before any step() created the state
+            m = [self._init_state(params[i])["exp_avg"] for i in index]
+            mixed = torch._foreach_lerp(m, [grads[i] for i in index], 1 - beta1)  # β1·m + (1-β1)·g in one pass
+            torch._foreach_copy_([outs[i] for i in index], mixed)
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure=None):
         loss, t, plan = self.begin_step(closure)
         synced = self.check_synced(t) if plan is not Plan.ALLREDUCE else False  # b-bit warmups need the hook too
-        if plan is Plan.COMPRESS_MOMENTUM and t == self.freeze_step + 1:
+        compress = plan is Plan.COMPRESS_MOMENTUM
+        if compress and t == self.freeze_step + 1:
             self.freeze_masks()
-        for p, grad, state, group in self.grads_in_order(self._init_state):
+        for chunk in chunks(self, self._init_state):
+            group = chunk.group
             beta1, beta2 = group["betas"]
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            if plan is not Plan.COMPRESS_MOMENTUM:  # warmup: .grad is the averaged gradient
-                m.lerp_(grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                self.track_nonzero(state, grad)
+            m, v, grads = chunk.state("exp_avg"), chunk.state("exp_avg_sq"), chunk.grads
+            if not compress:  # warmup: .grad is the averaged gradient
+                torch._foreach_lerp_(m, grads, 1 - beta1)
+                torch._foreach_mul_(v, beta2)
+                torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
             elif synced:  # compression: the hook delivered the averaged momentum in .grad
-                m.copy_(grad)
+                torch._foreach_copy_(m, grads)
             else:  # one process: the momentum is local and exact
-                m.mul_(beta1).add_(grad, alpha=1 - beta1)
-            if plan is Plan.COMPRESS_MOMENTUM and "mask" in state:
-                m.mul_(state["mask"])
+                torch._foreach_mul_(m, beta1)
+                torch._foreach_add_(m, grads, alpha=1 - beta1)
+            if compress:
+                self.apply_masks_(chunk, m)
             if group["bias_correction"]:
                 bc1 = 1 - beta1**t
                 bc2 = 1 - beta2 ** min(t, max(self.freeze_step, 1))
             else:
                 bc1 = bc2 = 1.0
             adam_update_(
-                p, m, v, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
-                bias_correction1=bc1, bias_correction2=bc2,
-                update_clip=self.update_clip if plan is Plan.COMPRESS_MOMENTUM else None,
-                workspace=self._workspace,
+                chunk, m, v, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
+                bias_correction1=bc1, bias_correction2=bc2, update_clip=self.update_clip if compress else None,
             )
-        if plan is not Plan.COMPRESS_MOMENTUM:
+        if not compress:
             self.observe_variance(t, t)
         self._after_step()
         return loss

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
+from hf_onebit.optim.foreach import Chunk, chunks
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
@@ -213,30 +214,31 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         state = self.state.get(p)
         return None if not state else state.get("scaling")
 
-    def prepare_send(self, plan, p, grad, out, inv_scale) -> None:
-        """Compression phase: ``out = (β1·m_p + (1−β1)·g_p,i)·scaling_p`` (``g`` unscaled)."""
+    def prepare_bucket(self, plan, params, grads, outs, inv_scale) -> None:
+        """Compression phase: ``out = (β1·m_p + (1−β1)·g_p,i)·scaling_p`` (``g`` unscaled), list ops."""
         if plan is not Plan.COMPRESS_MOMENTUM:
-            return super().prepare_send(plan, p, grad, out, inv_scale)
-        beta1 = self._group_map()[id(p)]["betas"][0]
-        g = grad.reshape(-1)
-        if g.dtype == torch.float32 and inv_scale is None:
-            torch.mul(g, 1 - beta1, out=out)
-        else:  # (1 − β1)·inv_scale in fp64 (a 0-dim tensor), rounded once to fp32 as a Python float is
-            out.copy_(g).mul_((1 - beta1) if inv_scale is None else (1 - beta1) * inv_scale)
-        state = self.state.get(p)
-        if state and "exp_avg" in state:
-            out.add_(state["exp_avg"].reshape(-1), alpha=beta1)
-        scaling = self._scaling(p)
-        if scaling is not None:
-            out.mul_(scaling)
+            return super().prepare_bucket(plan, params, grads, outs, inv_scale)
+        if outs is not grads:
+            torch._foreach_copy_(outs, grads)
+        for beta1, index in self._by_group(params, lambda g: g["betas"][0]):
+            sub = [outs[i] for i in index]
+            # (1 − β1)·inv_scale in fp64 (a 0-dim tensor), rounded once to fp32 as a Python float is
+            torch._foreach_mul_(sub, (1 - beta1) if inv_scale is None else (1 - beta1) * inv_scale)
+            states = [self.state.get(params[i]) for i in index]
+            with_m = [(o, st["exp_avg"]) for o, st in zip(sub, states) if st and "exp_avg" in st]
+            if with_m:
+                torch._foreach_add_([o for o, _ in with_m], [m for _, m in with_m], alpha=beta1)
+            scaled = [(o, st["scaling"]) for o, st in zip(sub, states) if st and "scaling" in st]
+            if scaled:
+                torch._foreach_mul_([o for o, _ in scaled], [s for _, s in scaled])
 
-    def finish_receive(self, plan, p, result, grad, scale) -> None:
+    def finish_bucket(self, plan, params, results, grads, scale) -> None:
         """Compression phase: ``.grad = M_p / scaling_p`` (times the loss scale, if any)."""
         if plan is Plan.COMPRESS_MOMENTUM:
-            scaling = self._scaling(p)
-            if scaling is not None:
-                result.div_(scaling)  # a view of this segment's work buffer, free to overwrite
-        super().finish_receive(plan, p, result, grad, scale)
+            scaled = [(r, st["scaling"]) for r, st in zip(results, map(self.state.get, params)) if st and "scaling" in st]
+            if scaled:  # results: this segment's work views or the bucket itself, free to overwrite
+                torch._foreach_div_([r for r, _ in scaled], [s for _, s in scaled])
+        super().finish_bucket(plan, params, results, grads, scale)
 
     # ---------------------------------------------------------------- step
     def _init_extra_state(self, p: torch.Tensor, state: dict) -> None:
@@ -259,7 +261,6 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m.mul_(beta1).add_(grad, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        self.track_nonzero(state, grad)
         pf = p if p.dtype == torch.float32 else p.float()
         u = m / v.sqrt().add_(group["eps"])
         if group["weight_decay"]:
@@ -275,10 +276,6 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         frozen = state["coeff_frozen"]
         frozen.copy_(torch.where(c != 1, frozen * cb + (1 - cb) * c, frozen))
         self._apply_update(p, u, c, group["lr"])
-
-    def _warmup_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
-        pf, u = self._warmup_direction(p, grad, state, group)
-        self._warmup_finish(p, u, _norm(pf), _norm(u), state, group)
 
     def _compression_direction(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, synced: bool,
                                keep: bool = False):
@@ -328,9 +325,102 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         last.copy_(factor)
         self._apply_update(p, u, state["coeff_frozen"] * factor, group["lr"])
 
-    def _compression_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, synced: bool) -> None:
-        u, factor, prelim_norm, u_norm = self._compression_direction(p, grad, state, group, synced)
-        self._compression_finish(p, u, factor, prelim_norm, u_norm, state, group)
+    # ---------------------------------------------------------------- the list cores
+    # The same arithmetic as the per-tensor methods above (which the FSDP2 path below uses), in
+    # the same order, over a chunk's lists; the per-tensor scalars (norms, ratios, factors) are
+    # stacked into vectors, so every operation is one op per chunk. Workspace slots (warmup):
+    # 0 sqrt(v)+eps; 1 u; 3 fp32 copies of low-precision parameters.
+
+    @staticmethod
+    def _fp32_params(chunk: Chunk) -> list[torch.Tensor]:
+        """The parameters in fp32 and in logical order (copies where they are not both), for norms."""
+        if chunk.fp32:
+            return [logical(p) for p in chunk.params]
+        pf = chunk.scratch(3)
+        torch._foreach_copy_(pf, chunk.params)
+        return pf
+
+    @staticmethod
+    def _apply_updates(chunk: Chunk, u: list[torch.Tensor], coeffs: torch.Tensor, lr: float) -> None:
+        """``p -= lr·coeff_p·u_p`` (``u`` is consumed; ``coeffs`` one per tensor); rounded once."""
+        torch._foreach_mul_(u, list(coeffs.unbind()))
+        chunk.update_params_(lambda w: torch._foreach_add_(w, u, alpha=-lr), slot=3)
+
+    def _warmup_chunk(self, chunk: Chunk) -> None:
+        """LAMB on the averaged gradient (:meth:`_warmup_update` over lists)."""
+        group, grads = chunk.group, chunk.grads
+        beta1, beta2 = group["betas"]
+        m, v = chunk.state("exp_avg"), chunk.state("exp_avg_sq")
+        torch._foreach_mul_(m, beta1)
+        torch._foreach_add_(m, grads, alpha=1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+        pf = self._fp32_params(chunk)
+        root, u = chunk.scratch(0), chunk.scratch(1)
+        torch._foreach_copy_(root, v)
+        torch._foreach_sqrt_(root)
+        torch._foreach_add_(root, group["eps"])
+        torch._foreach_copy_(u, m)
+        torch._foreach_div_(u, root)  # u = m / (sqrt(v) + eps)
+        if group["weight_decay"]:
+            torch._foreach_add_(u, pf, alpha=group["weight_decay"])
+        w_norm = torch.stack(torch._foreach_norm(pf))
+        u_norm = torch.stack(torch._foreach_norm(u))
+        ratio = (w_norm / u_norm).clamp_(group["min_coeff"], group["max_coeff"])
+        c = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+        cb = group["coeff_beta"]
+        frozen_list = chunk.state("coeff_frozen")
+        frozen = torch.stack(frozen_list)
+        torch._foreach_copy_(frozen_list, list(torch.where(c != 1, frozen * cb + (1 - cb) * c, frozen).unbind()))
+        self._apply_updates(chunk, u, c, group["lr"])
+
+    def _compression_chunk(self, chunk: Chunk, synced: bool) -> None:
+        """The compression step (:meth:`_compression_update` over lists). Its temporaries are the
+        results of out-of-place list ops (one op each, where a workspace copy would add one)."""
+        group, grads = chunk.group, chunk.grads
+        beta1, beta2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        m, v, v_fresh = chunk.state("exp_avg"), chunk.state("exp_avg_sq"), chunk.state("exp_avg_sq_fresh")
+        if synced:  # the hook delivered the averaged momentum in .grad
+            new_m = list(grads)
+        else:  # one process: the momentum is local and exact
+            new_m = list(torch._foreach_mul(m, beta1))
+            torch._foreach_add_(new_m, grads, alpha=1 - beta1)
+        masked = [i for i, st in enumerate(chunk.states) if "mask" in st]
+        if masked:
+            products = torch._foreach_mul([new_m[i] for i in masked], [chunk.states[i]["mask"] for i in masked])
+            for i, product in zip(masked, products):
+                new_m[i] = product
+        g_rec = torch._foreach_sub(new_m, m, alpha=beta1)
+        torch._foreach_div_(g_rec, 1 - beta1)  # (m − β1·m_prev)/(1−β1)
+        torch._foreach_copy_(m, new_m)
+        torch._foreach_mul_(v_fresh, beta2)
+        torch._foreach_addcmul_(v_fresh, g_rec, g_rec, value=1 - beta2)
+        root = torch._foreach_sqrt(v)
+        denom = torch._foreach_add(root, eps)  # sqrt(v) + eps
+        fresh = torch._foreach_sqrt(v_fresh)
+        torch._foreach_add_(fresh, eps)
+        factor = torch.stack(torch._foreach_max(torch._foreach_div(denom, fresh)))
+        if self.update_clip is not None:  # |m/denom| <= update_clip
+            scaled = torch._foreach_abs(m)
+            torch._foreach_mul_(scaled, 1 / self.update_clip)
+            torch._foreach_maximum_(root, scaled)  # clip_root_
+            torch._foreach_add_(root, eps)
+            denom = root
+        u = torch._foreach_div(m, denom)
+        if wd:
+            prelim_norm = torch.stack(torch._foreach_norm(u))
+            torch._foreach_add_(u, self._fp32_params(chunk), alpha=wd)
+            u_norm = torch.stack(torch._foreach_norm(u))
+            rho = torch.where(u_norm > 0, (prelim_norm / u_norm).clamp(max=1.0), 1.0)
+            factor = rho * factor + (1 - rho)
+        factor = factor.clamp(group["factor_min"], group["factor_max"])
+        last_list = chunk.state("last_factor")
+        last = torch.stack(last_list)
+        thr = group["factor_threshold"]
+        factor = torch.clamp(factor, last * (1 - thr), last * (1 + thr))
+        torch._foreach_copy_(last_list, list(factor.unbind()))
+        self._apply_updates(chunk, u, torch.stack(chunk.state("coeff_frozen")) * factor, group["lr"])
 
     def _sharded_step(self, compress: bool, synced: bool) -> None:
         """FSDP2 with shards (:mod:`hf_onebit.hook.fsdp`): each rank holds a shard of every tensor,
@@ -401,11 +491,11 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         if self.link is not None and self.link.sharded:
             self._sharded_step(compress, synced)
         else:
-            for p, grad, state, group in self.grads_in_order(self._init_state, skip_empty=True):
+            for chunk in chunks(self, self._init_state, skip_empty=True):
                 if compress:
-                    self._compression_update(p, grad, state, group, synced)
+                    self._compression_chunk(chunk, synced)
                 else:
-                    self._warmup_update(p, grad, state, group)
+                    self._warmup_chunk(chunk)
         if not compress:
             self.observe_variance(t, t)  # an automatic freeze may choose this step
         if t == self.freeze_step:

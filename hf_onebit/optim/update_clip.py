@@ -24,3 +24,12 @@ def check_update_clip(value: float | None) -> float | None:
 def clip_root_(root: torch.Tensor, by: torch.Tensor, limit: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``root = max(root, |by|/limit)`` in place (``|by|`` goes into ``scratch`` if given); returns ``root``."""
     return torch.maximum(root, torch.abs(by, out=scratch).mul_(1 / limit), out=root)
+
+
+def clip_roots_(roots: list[torch.Tensor], by: list[torch.Tensor], limit: float, scratch: list[torch.Tensor]) -> None:
+    """:func:`clip_root_` over lists, in its operation order: ``roots = max(roots, |by|·(1/limit))``
+    (``|by|`` goes into ``scratch``)."""
+    torch._foreach_copy_(scratch, by)
+    torch._foreach_abs_(scratch)
+    torch._foreach_mul_(scratch, 1 / limit)
+    torch._foreach_maximum_(roots, scratch)

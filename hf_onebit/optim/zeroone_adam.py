@@ -29,12 +29,12 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
+from hf_onebit.optim.foreach import Chunk, chunks
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.local_state import LocalPhaseState
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.tensors import update_in_fp32_
-from hf_onebit.optim.update_clip import check_update_clip, clip_root_
+from hf_onebit.optim.update_clip import check_update_clip
 from hf_onebit.optim.validation import check_bool, check_positive_int, check_warmup_bits
 
 
@@ -308,32 +308,53 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         self.var_updates = int(state.get("var_updates", 0))
 
     # ---------------------------------------------------------------- step
-    def _delta(self, p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, wd: float) -> torch.Tensor:
-        """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``: a workspace tensor,
-        valid until the next call here or to :meth:`_denominator` with a clip."""
-        delta = torch.div(m, denom, out=self._workspace.get(1, m))
+    # List cores over a chunk (hf_onebit.optim.foreach), in the per-tensor operation order.
+    # Workspace slots: 0 the denominator; 1 |clip_by|, then the update Δ; 3 fp32 copies of
+    # low-precision parameters.
+    def _deltas(self, chunk: Chunk, m: list[torch.Tensor], denom: list[torch.Tensor], lr: float,
+                wd: float) -> list[torch.Tensor]:
+        """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``: workspace tensors,
+        valid until the next call here or to :meth:`_denominators` with a clip."""
+        delta = chunk.scratch(1)
+        torch._foreach_copy_(delta, m)
+        torch._foreach_div_(delta, denom)
         if wd:
-            delta.add_(p if p.dtype == torch.float32 else p.float(), alpha=wd)
-        return delta.mul_(lr)
+            if chunk.fp32:
+                pf = chunk.params
+            else:
+                pf = chunk.scratch(3)
+                torch._foreach_copy_(pf, chunk.params)
+            torch._foreach_add_(delta, pf, alpha=wd)
+        torch._foreach_mul_(delta, lr)
+        return delta
 
-    def _update(self, p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, wd: float) -> None:
-        """``p -= lr·(m/denom + wd·p)``."""
-        delta = self._delta(p, m, denom, lr, wd)
-        update_in_fp32_(p, lambda w: w.sub_(delta))
+    def _update(self, chunk: Chunk, delta: list[torch.Tensor]) -> None:
+        """``p -= Δ``, rounded once."""
+        chunk.update_params_(lambda w: torch._foreach_sub_(w, delta), slot=3)
 
-    def _denominator(self, state: dict, group: dict, clip_by: torch.Tensor | None = None,
-                     clip_scale: float = 1.0) -> torch.Tensor:
-        """``sqrt(v̂) + eps`` (a workspace tensor, valid until the next call), ``sqrt(v̂) =
+    def _denominators(self, chunk: Chunk, clip_by: list[torch.Tensor] | None = None,
+                      clip_scales: float | list[float] = 1.0) -> list[torch.Tensor]:
+        """``sqrt(v̂) + eps`` (workspace tensors, valid until the next call), ``sqrt(v̂) =
         sqrt(v)/sqrt(1 - β2**var_updates)`` with ``bias_correction``, else ``sqrt(v)``. With
-        ``update_clip`` and ``clip_by`` (a momentum, or a synced ``ū`` with ``clip_scale = λ``):
-        ``max(sqrt(v̂), |clip_by|/(update_clip·clip_scale)) + eps``."""
-        v = state["exp_avg_sq"]  # workspace slot 0: the denominator; slot 1: |clip_by|, then the update Δ
-        denom = torch.sqrt(v, out=self._workspace.get(0, v))
+        ``update_clip`` and ``clip_by`` (momenta, or synced ``ū`` with ``clip_scales = λ`` per
+        tensor): ``max(sqrt(v̂), |clip_by|/(update_clip·clip_scale)) + eps``."""
+        group = chunk.group
+        denom = chunk.scratch(0)
+        torch._foreach_copy_(denom, chunk.state("exp_avg_sq"))
+        torch._foreach_sqrt_(denom)
         if self.bias_correction and self.var_updates:
-            denom.div_(math.sqrt(1 - group["betas"][1] ** self.var_updates))
+            torch._foreach_div_(denom, math.sqrt(1 - group["betas"][1] ** self.var_updates))
         if self.update_clip is not None and clip_by is not None:
-            clip_root_(denom, clip_by, self.update_clip * clip_scale, self._workspace.get(1, v))
-        return denom.add_(group["eps"])
+            scratch = chunk.scratch(1)
+            torch._foreach_copy_(scratch, clip_by)
+            torch._foreach_abs_(scratch)
+            if isinstance(clip_scales, list):  # clip_root_'s |clip_by|·(1/limit), one limit per tensor
+                torch._foreach_mul_(scratch, [1 / (self.update_clip * c) for c in clip_scales])
+            else:
+                torch._foreach_mul_(scratch, 1 / (self.update_clip * clip_scales))
+            torch._foreach_maximum_(denom, scratch)
+        torch._foreach_add_(denom, group["eps"])
+        return denom
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -359,23 +380,27 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         variance_step = plan in (Plan.ALLREDUCE, Plan.QUANTIZE_GRADIENT)
         if variance_step:
             self.var_updates += 1  # counts this step's update, which the loop below applies first
-        for p, grad, state, group in self.grads_in_order(self._init_state):
+        for chunk in chunks(self, self._init_state):
+            group, grads = chunk.group, chunk.grads
             beta1, beta2 = group["betas"]
-            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m = chunk.state("exp_avg")
             if variance_step:
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                self.track_nonzero(state, grad)
+                v = chunk.state("exp_avg_sq")
+                torch._foreach_mul_(v, beta2)
+                torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
                 if self.refresh_mask and self.masks_frozen:
-                    self.unmask_seen(state, group)  # before m takes this gradient
-            m.mul_(beta1).add_(grad, alpha=1 - beta1)
-            if "mask" in state:
-                m.mul_(state["mask"])
+                    for state in chunk.states:  # only tensors that still have a mask: one-time releases
+                        if state.get("mask_refresh"):
+                            self.unmask_seen(state, group)  # before m takes this gradient
+            torch._foreach_mul_(m, beta1)
+            torch._foreach_add_(m, grads, alpha=1 - beta1)
+            self.apply_masks_(chunk, m)
             # momentum_correction: m̂ = m/c1 as Adam's; m/(c1·(max(sqrt(v̂), |m̂|/clip) + eps)) = m̂/(...)
             c1 = 1 - beta1 ** t if self.momentum_correction else 1.0
-            denom = self._denominator(state, group, None if variance_step else m, clip_scale=c1)
+            denom = self._denominators(chunk, None if variance_step else m, c1)
             if self.momentum_correction:
-                denom.mul_(c1)
-            self._update(p, m, denom, group["lr"], group["weight_decay"])
+                torch._foreach_mul_(denom, c1)
+            self._update(chunk, self._deltas(chunk, m, denom, group["lr"], group["weight_decay"]))
         if variance_step:
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:
@@ -385,32 +410,40 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
     def _local_phase_step(self, t: int, plan: Plan) -> None:
         if t == self.var_freeze_step + 1:
             self._enter_local_phase()
-        for p, grad, state, group in self.grads_in_order(self._init_local_state):
-            beta1 = group["betas"][0]
-            m = state["exp_avg"]
-            m.mul_(beta1).add_(grad, alpha=1 - beta1)
-            if "mask" in state:
-                m.mul_(state["mask"])
-            lr, wd = group["lr"], group["weight_decay"]
-            clip = self.update_clip is not None
+        clip = self.update_clip is not None
+        for chunk in chunks(self, self._init_local_state):
             # A sync right after this one local step (λ = lr): its bound c·λ is this step's bound,
             # so without clip_synced_momentum u takes the unclipped step (a clipped u clips the
             # momentum the sync restores, u ⊙ (sqrt(v̂)+eps)/λ) and the sync's clip bounds where
             # the ranks land. After several local steps u takes the clipped ones either way, so
             # the sync lands on the mean of where the ranks went (docs/algorithms.md).
-            lone = not self.clip_synced_momentum and plan is Plan.SYNC_AFTER_STEP and state["lr_sum"] == 0.0
-            delta = self._delta(p, m, self._denominator(state, group, m if clip and not lone else None), lr, wd)
-            state["momentum_accumulator"].sub_(delta)
-            if clip and lone:
-                delta = self._delta(p, m, self._denominator(state, group, m), lr, wd)
-            update_in_fp32_(p, lambda w: w.sub_(delta))
-            state["lr_sum"] += lr
+            lone = [not self.clip_synced_momentum and plan is Plan.SYNC_AFTER_STEP and s["lr_sum"] == 0.0
+                    for s in chunk.states]
+            for is_lone in sorted(set(lone)):  # usually one pass: every tensor alike
+                part = chunk if len(set(lone)) == 1 else chunk.subset([i for i, x in enumerate(lone) if x == is_lone])
+                self._local_update(part, clip, is_lone)
         if plan is Plan.SYNC_AFTER_STEP:
             self._sync()
         self.local_counter += 1
         if self.local_counter == self.local_step_scaler:
             self.local_counter = 0
             self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
+
+    def _local_update(self, chunk: Chunk, clip: bool, lone: bool) -> None:
+        group = chunk.group
+        beta1 = group["betas"][0]
+        lr, wd = group["lr"], group["weight_decay"]
+        m = chunk.state("exp_avg")
+        torch._foreach_mul_(m, beta1)
+        torch._foreach_add_(m, chunk.grads, alpha=1 - beta1)
+        self.apply_masks_(chunk, m)
+        delta = self._deltas(chunk, m, self._denominators(chunk, m if clip and not lone else None), lr, wd)
+        torch._foreach_sub_(chunk.state("momentum_accumulator"), delta)
+        if clip and lone:
+            delta = self._deltas(chunk, m, self._denominators(chunk, m), lr, wd)
+        self._update(chunk, delta)
+        for state in chunk.states:
+            state["lr_sum"] += lr
 
     def _enter_local_phase(self) -> None:
         """First local step: allocate the local state; zero every error buffer; fix the masks."""
@@ -429,47 +462,75 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
 
     def _sync(self) -> None:
         """Average ``u ⊙ (sqrt(v)+eps)`` (1 bit), restart every rank from the same point."""
-        groups = self._group_map()
         params = self.params_in_order()
         if self.world_size == 1:
-            for p in params:
-                state = self._init_local_state(p)
-                u, lam = state["momentum_accumulator"], state["lr_sum"]
-                if lam > 0:
-                    denom = self._denominator(state, groups[id(p)])
-                    torch.mul(u, denom, out=state["exp_avg"]).div_(-lam)
-                u.zero_()
-                state["lr_sum"] = 0.0
+            for chunk in chunks(self, self._init_local_state, params=params):
+                live = [i for i, s in enumerate(chunk.states) if s["lr_sum"] > 0]
+                if live:
+                    part = chunk if len(live) == len(chunk.params) else chunk.subset(live)
+                    m = part.state("exp_avg")
+                    torch._foreach_copy_(m, part.state("momentum_accumulator"))
+                    torch._foreach_mul_(m, self._denominators(part))
+                    torch._foreach_div_(m, [-s["lr_sum"] for s in part.states])
+                self._restart(chunk)
             return
         segments = self.segments_covering_all(params[0].device)
-        futures = []
+        futures, parts = [], []
         for seg in segments:  # fill a segment, queue it, fill the next while it travels
-            for p, view in seg.views(params):
-                state = self._init_local_state(p)
-                denom = self._denominator(state, groups[id(p)])
-                torch.mul(state["momentum_accumulator"], denom, out=view.view(p.shape))
-                if self.sync_in_momentum_units and state["lr_sum"] > 0:
-                    view.div_(state["lr_sum"])
+            seg_params, views = seg.shaped_views(params)
+            seg_parts = self._segment_chunks(seg_params, views)
+            for chunk, out in seg_parts:
+                torch._foreach_copy_(out, chunk.state("momentum_accumulator"))
+                torch._foreach_mul_(out, self._denominators(chunk))
+                if self.sync_in_momentum_units:
+                    self._per_live_tensor(chunk, out, torch._foreach_div_)
             futures.append(self.link.compress_async(seg, Plan.SYNC_AFTER_STEP))
-        for seg, fut in zip(segments, futures):
+            parts.append(seg_parts)
+        for fut, seg_parts in zip(futures, parts):
             fut.wait()
-            for p, view in seg.views(params):
-                state = self.state[p]
-                ubar = view.view(p.shape)
-                if "mask" in state:
-                    ubar.mul_(state["mask"])
-                lam = state["lr_sum"]
+            for chunk, ubar in seg_parts:
+                self.apply_masks_(chunk, ubar)
                 # λ = 0: no local step since the last sync on any rank (a frozen parameter, no
                 # gradient, or lr 0), so u = 0 everywhere and the exact mean is 0; ū is then only
                 # compression noise (the segment's scale and error feedback), which would move a
                 # frozen parameter. Leave it, and its state, where they are.
-                if lam > 0:
+                live = [i for i, s in enumerate(chunk.states) if s["lr_sum"] > 0]
+                if live:
+                    part = chunk if len(live) == len(chunk.params) else chunk.subset(live)
+                    ubar_live = [ubar[i] for i in live]
+                    lams = [s["lr_sum"] for s in part.states]
                     if self.sync_in_momentum_units:
-                        ubar.mul_(lam)
-                    torch.div(ubar, -lam, out=state["exp_avg"])
-                    point = state["synced_param"]
+                        torch._foreach_mul_(ubar_live, lams)
+                    m = part.state("exp_avg")
+                    torch._foreach_copy_(m, ubar_live)
+                    torch._foreach_div_(m, [-lam for lam in lams])
+                    points = part.state("synced_param")
                     # the spec's (p - u) + ū/(sqrt(v)+eps); with update_clip no coordinate moves by more than update_clip·λ
-                    point.addcdiv_(ubar, self._denominator(state, groups[id(p)], ubar, lam))
-                    p.copy_(point)
-                state["momentum_accumulator"].zero_()
-                state["lr_sum"] = 0.0
+                    torch._foreach_addcdiv_(points, ubar_live, self._denominators(part, ubar_live, lams))
+                    torch._foreach_copy_(part.params, points)
+                self._restart(chunk)
+
+    @staticmethod
+    def _restart(chunk: Chunk) -> None:
+        """After a sync: ``u = 0``, ``λ = 0``."""
+        torch._foreach_zero_(chunk.state("momentum_accumulator"))
+        for state in chunk.states:
+            state["lr_sum"] = 0.0
+
+    @staticmethod
+    def _per_live_tensor(chunk: Chunk, tensors: list[torch.Tensor], op) -> None:
+        """``op(tensors_p, λ_p)`` for the tensors whose ``λ > 0``."""
+        live = [i for i, s in enumerate(chunk.states) if s["lr_sum"] > 0]
+        if live:
+            op([tensors[i] for i in live], [chunk.states[i]["lr_sum"] for i in live])
+
+    def _segment_chunks(self, seg_params: list[torch.Tensor], views: list[torch.Tensor]) -> list[tuple[Chunk, list]]:
+        """A segment's parameters as chunks by parameter group (their hyperparameters), each
+        with its views of the segment's work buffer."""
+        groups = self._group_map()
+        out = []
+        for _, index in self._by_group(seg_params, id):
+            ps = [seg_params[i] for i in index]
+            chunk = Chunk(ps, None, [self._init_local_state(p) for p in ps], groups[id(ps[0])], self._workspace)
+            out.append((chunk, [views[i] for i in index]))
+        return out

@@ -1,0 +1,121 @@
+"""The multi-tensor prologue of every ``step()``: parameters cut into lists that ``torch._foreach_*``
+cores update together.
+
+A step that loops over parameter tensors issues every eager op once per tensor: on a GPU each
+is a kernel launch of ~5-10 µs of host time, so a model of a few hundred tensors spends
+milliseconds per step launching (issue 29). ``torch.optim.Adam``'s multi-tensor path instead
+groups the tensors and applies each operation to a whole list at once; the cores of 1-bit Adam,
+0/1 Adam and 1-bit LAMB do the same, over the :class:`Chunk` lists made here. Each ``_foreach_``
+op computes, per element, exactly what the same eager op computes on one tensor (on CPU it *is*
+that op, per tensor, below the dispatcher), so the cores keep the per-tensor code's operation
+order and its results bitwise.
+
+A chunk holds tensors that one list op may take together: one parameter group (its
+hyperparameters), one device, one parameter dtype and one gradient dtype. Its temporaries are
+:class:`~hf_onebit.optim.workspace.Workspace` views (fp32, made once per layout), so a chunk is
+also bounded in size (:data:`CHUNK_NUMEL`): the workspace then needs a few buffers of at most
+that size (or of the largest tensor), not a few copies of the model. The number of chunks grows
+with the model's size, not with its number of tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+
+from hf_onebit.optim.workspace import Workspace
+
+if TYPE_CHECKING:
+    from hf_onebit.optim.base import OneBitOptimizer
+
+#: Largest number of elements of one chunk (unless a single tensor is larger): 64 MiB of fp32
+#: per workspace slot.
+CHUNK_NUMEL = 16 * 2**20
+
+
+@dataclass
+class Chunk:
+    """Parameters with a gradient that one ``_foreach_`` op updates together.
+
+    ``grads`` are fp32 (the gradients themselves, or copies into workspace slot :data:`GRAD_SLOT`),
+    ``states`` the parameters' state dicts, ``group`` their parameter group.
+    """
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor] | None
+    states: list[dict]
+    group: dict
+    workspace: Workspace
+
+    def subset(self, index: list[int]) -> "Chunk":
+        """The chunk of the parameters at positions ``index`` (e.g. those a condition holds for)."""
+        return Chunk([self.params[i] for i in index], None if self.grads is None else [self.grads[i] for i in index],
+                     [self.states[i] for i in index], self.group, self.workspace)
+
+    def state(self, key: str) -> list[torch.Tensor]:
+        """The state tensors ``key`` of every parameter, in order."""
+        return [s[key] for s in self.states]
+
+    def scratch(self, slot: int) -> list[torch.Tensor]:
+        """fp32 temporaries shaped like the parameters (workspace ``slot``; contents undefined)."""
+        return self.workspace.views(slot, self.params)
+
+    @property
+    def fp32(self) -> bool:
+        return self.params[0].dtype == torch.float32
+
+    def update_params_(self, update: Callable[[list[torch.Tensor]], object], slot: int) -> None:
+        """Apply the in-place list ``update`` to the parameters in fp32, rounding once (as
+        :func:`~hf_onebit.optim.tensors.update_in_fp32_` per tensor): bf16/fp16 parameters go
+        through fp32 copies in workspace ``slot``, written back."""
+        if self.fp32:
+            update(self.params)
+            return
+        work = self.scratch(slot)
+        torch._foreach_copy_(work, self.params)
+        update(work)
+        torch._foreach_copy_(self.params, work)
+
+
+#: Workspace slot of the fp32 copies of low-precision gradients (the cores use 0..3).
+GRAD_SLOT = 7
+
+
+def chunks(opt: OneBitOptimizer, init_state: Callable[[torch.Tensor], dict] | None = None, *,
+           skip_empty: bool = False, cap: int = CHUNK_NUMEL, params: list[torch.Tensor] | None = None) -> Iterator[Chunk]:
+    """The :class:`Chunk` lists of every parameter with a gradient, in parameter order within each.
+
+    As :meth:`~hf_onebit.optim.base.OneBitOptimizer.grads_in_order` per tensor: sparse gradients
+    are refused, ``init_state(p)`` makes a parameter's state at its first use, ``skip_empty``
+    leaves out parameters with no elements. ``params``: these parameters instead, gradient or
+    not (the chunks' ``grads`` are then ``None``).
+    """
+    ws = opt._workspace
+    wanted = None if params is None else {id(p) for p in params}
+    for group in opt.param_groups:
+        lists: dict[tuple, list] = {}
+        for p in group["params"]:
+            g = p.grad if wanted is None else None
+            if wanted is not None and id(p) not in wanted:
+                continue
+            if (wanted is None and g is None) or (skip_empty and p.numel() == 0):
+                continue
+            if g is not None and g.is_sparse:
+                raise ValueError("hf_onebit optimizers do not support sparse gradients")
+            key = (p.device, p.dtype, None if g is None else g.dtype)
+            runs = lists.setdefault(key, [[[], 0]])  # [params, their elements], the last one filling
+            if runs[-1][0] and runs[-1][1] + p.numel() > cap:
+                runs.append([[], 0])
+            runs[-1][0].append(p)
+            runs[-1][1] += p.numel()
+        for (_, _, grad_dtype), runs in lists.items():
+            for run, _ in runs:
+                states = [init_state(p) if init_state is not None else None for p in run]
+                grads = None if grad_dtype is None else [p.grad for p in run]
+                if grads is not None and grad_dtype != torch.float32:
+                    fp32 = ws.views(GRAD_SLOT, run)
+                    torch._foreach_copy_(fp32, grads)
+                    grads = fp32
+                yield Chunk(run, grads, states, group, ws)
