@@ -72,9 +72,16 @@ State
 the step counter and the seed); they travel in :meth:`BinSGDM.rank_state_dict`. Resuming
 without the per-rank state restarts ``m, b`` from zero (a warning says so).
 
-Memory: 16 bytes per parameter of fp32 state (``m``, ``b`` and their pending copies; the commit
-is a swap, not a copy) plus about 9 bytes per bucket element of reusable work buffers
-(13 for bf16/fp16 buckets).
+Memory: 16 bytes per parameter of fp32 state (``m``, ``b`` and their pending copies, laid flat
+per bucket, see :class:`~hf_onebit.optim.vote_core.VoteLayout`; the commit is a swap, not a
+copy) plus about 9 bytes per bucket element of reusable work buffers (13 for bf16/fp16 buckets,
+for buckets whose gradients are not the bucket laid end to end, e.g. under FSDP2 or with
+channels_last parameters, and for the single-process step).
+
+Cost per step: the hook and ``step()`` run a fixed number of torch operations whatever the
+number of parameter tensors (one fused ``vote_threshold`` and one ``vote_uniform`` per bucket,
+``torch._foreach_*`` updates per parameter group; counted in
+tests/optim/test_binsgdm_op_counts.py).
 """
 
 from __future__ import annotations
