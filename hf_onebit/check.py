@@ -366,7 +366,12 @@ def run_part(side, part: str, fn):
         result = fn()
     except Exception as exc:  # noqa: BLE001 - agreed on, then raised on every rank
         result = None
-        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        text = " ".join(str(exc).split())
+        error = f"{type(exc).__name__}: {text[:600] + ' ...' if len(text) > 600 else text}"
+        # the whole traceback on this rank's stderr (torchrun shows it by rank); the verdict
+        # carries the one line above
+        print(f"hf-onebit check, rank {dist.get_rank()}, part '{part}':\n{traceback.format_exc()}", file=sys.stderr,
+              flush=True)
     everyone = agree(side, part, error)
     failed = [(r, e) for r, e in enumerate(everyone) if e]
     if failed:
