@@ -1,0 +1,128 @@
+"""BinSGDM's hook and step on the Triton backend make no host synchronisation once its layouts exist.
+
+tests/optim/test_host_syncs.py watches every optimizer with the numba CPU kernels. This file runs
+BinSGDM's *CUDA code path* (``HF_ONEBIT_KERNELS=triton``: the fused ``vote_threshold``, the
+one-launch ``vote_uniform`` draws, the device packing and average) with the Triton interpreter on
+2 gloo ranks, and counts every host conversion of a tensor (``bool``, ``float``, ``item``,
+``tolist``, ``numpy``, ``cpu``, ``torch.tensor``) that hf_onebit code makes during backward (the
+hook, on any thread) and ``step()``:
+
+* conversions made inside Triton's interpreter are not counted (on a GPU the kernels are compiled
+  and launched without any);
+* steps 1 and 2 may build layouts (DDP rebuilds its buckets after its first iteration): the
+  allowed conversions are the draws' table, ``kernels/triton.py:vote_uniform_table`` (one
+  host-to-device copy per layout), and the vote packing's weights (once per device);
+* later steps: none at all, bf16 without a loss scaler (``check_finite=False``: the finiteness
+  check is the deliberate sync of ``optim/guards.py``, watched in test_host_syncs.py) and fp32
+  with a ``GradScaler``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+CONVERSIONS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy", "cpu")
+#: one-time setup: the draws' table of each layout, the vote packing's weights made once per device
+TABLE = "kernels/triton.py:vote_uniform_table torch.tensor"
+ONE_TIME = {TABLE, "kernels/reference.py:_weights torch.tensor"}
+STEPS = 5
+
+
+class _Watch:
+    """Host conversions made by hf_onebit code (outside Triton's interpreter) while ``on``."""
+
+    def __init__(self) -> None:
+        import hf_onebit
+        import triton
+
+        self.root = os.path.dirname(os.path.abspath(hf_onebit.__file__)) + os.sep
+        self.triton = os.path.dirname(os.path.abspath(triton.__file__)) + os.sep
+        self.on = False
+        self.calls: list[str] = []
+        self.lock = threading.Lock()
+        for name in CONVERSIONS:
+            setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+        torch.tensor = self._wrap("torch.tensor", torch.tensor, method=False)
+
+    def _wrap(self, name, original, method=True):
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            if self.on and (not method or args[0].numel() > 0):
+                where = self._culprit(sys._getframe(1))
+                if where is not None:
+                    with self.lock:
+                        self.calls.append(f"{where} {name}")
+            return original(*args, **kwargs)
+
+        return counted
+
+    def _culprit(self, frame) -> str | None:
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if path.startswith(self.triton):  # the interpreter's own work: absent on a GPU
+                return None
+            if path.startswith(self.root):
+                return f"{path[len(self.root):].replace(os.sep, '/')}:{frame.f_code.co_name}"
+            frame = frame.f_back
+        return None
+
+    def take(self) -> list[str]:
+        with self.lock:
+            calls, self.calls = self.calls, []
+        return calls
+
+
+def _train(rank, world_size, case):
+    import hf_onebit
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.op_counts import Stack
+
+    watch = _Watch()
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    model = Stack(6).to(dtype)
+    opt = hf_onebit.BinSGDM(model.parameters(), lr=1e-2, check_finite=False)
+    ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6) if case == "scaler" else None
+    hf_onebit.attach(ddp, opt, grad_scaler=scaler)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    calls = []
+    for _ in range(STEPS):
+        loss = ddp(x).float().square().mean()
+        watch.take()
+        watch.on = True
+        try:
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        finally:
+            watch.on = False
+        calls.append(watch.take())
+        opt.zero_grad(set_to_none=True)
+    assert opt.steps_done == STEPS
+    return calls
+
+
+@pytest.mark.parametrize("case", ["bf16", "scaler"])
+def test_no_host_sync_in_binsgdm_hook_and_step_on_the_triton_path(case):
+    pytest.importorskip("triton")
+    outs = run_distributed(_train, 2, case, env={"HF_ONEBIT_KERNELS": "triton", "TRITON_INTERPRET": "1"},
+                           fresh=True, timeout=600)  # patches torch for good
+    for rank, calls in enumerate(outs):
+        layouts = sum(c.count(TABLE) for c in calls[:2])
+        assert layouts >= 1, f"rank {rank}: the draws' table was never built: is the Triton path running? {calls}"
+        for step, step_calls in enumerate(calls, 1):
+            rest = [c for c in step_calls if not (step <= 2 and c in ONE_TIME)]
+            assert not rest, f"rank {rank}, step {step}: host syncs in BinSGDM's hook or step(): {sorted(set(rest))}"
