@@ -98,22 +98,29 @@ class SyncWatch:
         return calls
 
 
-def _train(watch, rank, opt_name, kwargs, steps, scaler):
+def _train(watch, rank, opt_name, kwargs, steps, scaler, tensors=None):
+    """``tensors``: a :class:`tests.op_counts.Stack` of that many tensors, each in a DDP bucket
+    (and so a compression segment) of its own, in place of the fixed-gradient model."""
     import hf_onebit
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from tests.op_counts import Stack
     from tests.optim.harness import FixedGradModel, build_optimizer, fixed_grads
 
     torch.manual_seed(0)
-    model = FixedGradModel()
+    model = FixedGradModel() if tensors is None else Stack(tensors, width=4)
     opt = build_optimizer(opt_name, model.parameters(), kwargs)
-    ddp = DDP(model, bucket_cap_mb=0.01)
+    # a bucket cap of a few bytes: DDP gives every parameter its own bucket
+    ddp = DDP(model, bucket_cap_mb=0.01 if tensors is None else 1e-6)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6) if scaler else None
     hf_onebit.attach(ddp, opt, grad_scaler=grad_scaler)
     records = []
     for step in range(1, steps + 1):
         plan = opt.plan().value
-        loss = ddp(fixed_grads(step, rank))
+        if tensors is None:
+            loss = ddp(fixed_grads(step, rank))
+        else:
+            loss = ddp(torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))).sum()
         watch.take()
         watch.on = True
         try:
@@ -130,6 +137,8 @@ def _train(watch, rank, opt_name, kwargs, steps, scaler):
         opt.zero_grad(set_to_none=True)
         opt.state_dict()  # not watched: checkpoints may read values
     assert opt.steps_done == steps, "a step was skipped: the test's gradients must stay finite"
+    if tensors is not None:
+        assert len(opt.segments) > 256, f"only {len(opt.segments)} compression segments"
     return records
 
 
@@ -140,7 +149,7 @@ def _watched_worker(rank, world_size, cases):
     watch.install()
     # the device path of the vote packing (numpy's packbits is for CPU tensors only)
     cpu.pack_bools = reference.pack_bools
-    return {name: _train(watch, rank, *case[:4]) for name, case in cases.items()}
+    return {name: _train(watch, rank, *case[:4], **(case[5] if len(case) > 5 else {})) for name, case in cases.items()}
 
 
 ADAM = dict(lr=1e-2, freeze_step=3)
@@ -162,6 +171,10 @@ CASES = {
     "BinSGDM-scaler": ("BinSGDM", dict(lr=1e-2), 5, True, {1}),
     # the default check_finite=True: the one deliberate sync per step
     "OneBitAdam-checked": ("OneBitAdam", ADAM, 7, False, {1, 4}),
+    # more than 256 segments with one scale per tensor (issue 29, finding 3: piece tables cached
+    # for 256 segments at most): the 300 segments are made at step 4, the first compressed one
+    "OneBitAdam-300-segments": ("OneBitAdam", {**ADAM, **NO_CHECK, "scale_per_tensor": True}, 6, False, {1, 4},
+                                {"tensors": 300}),
 }
 
 HIER_CASES = {
@@ -181,7 +194,7 @@ def hier_runs():
 
 
 def _check(outs, name, case):
-    opt_name, kwargs, steps, scaler, starts = case
+    opt_name, kwargs, steps, scaler, starts = case[:5]
     checked = not scaler and kwargs.get("check_finite", True)
     plans = [r["plan"] for r in outs[0][name]]
     for rank, records in enumerate(outs):
