@@ -308,16 +308,13 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         self.var_updates = int(state.get("var_updates", 0))
 
     # ---------------------------------------------------------------- step
-    # List cores over a chunk (hf_onebit.optim.foreach), in the per-tensor operation order.
-    # Workspace slots: 0 the denominator; 1 |clip_by|, then the update Δ; 3 fp32 copies of
-    # low-precision parameters.
+    # List cores over a chunk (hf_onebit.optim.foreach), in the per-tensor operation order. Their
+    # temporaries are the results of out-of-place list ops (one op each, where a workspace copy
+    # would add one); workspace slot 3 holds fp32 copies of low-precision parameters.
     def _deltas(self, chunk: Chunk, m: list[torch.Tensor], denom: list[torch.Tensor], lr: float,
                 wd: float) -> list[torch.Tensor]:
-        """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``: workspace tensors,
-        valid until the next call here or to :meth:`_denominators` with a clip."""
-        delta = chunk.scratch(1)
-        torch._foreach_copy_(delta, m)
-        torch._foreach_div_(delta, denom)
+        """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``."""
+        delta = torch._foreach_div(m, denom)
         if wd:
             if chunk.fp32:
                 pf = chunk.params
@@ -332,28 +329,28 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         """``p -= Δ``, rounded once."""
         chunk.update_params_(lambda w: torch._foreach_sub_(w, delta), slot=3)
 
+    def _roots(self, chunk: Chunk) -> list[torch.Tensor]:
+        """``sqrt(v̂) = sqrt(v)/sqrt(1 - β2**var_updates)`` with ``bias_correction``, else ``sqrt(v)``
+        (new tensors: the sync keeps them while its exchange runs)."""
+        roots = torch._foreach_sqrt(chunk.state("exp_avg_sq"))
+        if self.bias_correction and self.var_updates:
+            torch._foreach_div_(roots, math.sqrt(1 - chunk.group["betas"][1] ** self.var_updates))
+        return roots
+
     def _denominators(self, chunk: Chunk, clip_by: list[torch.Tensor] | None = None,
-                      clip_scales: float | list[float] = 1.0) -> list[torch.Tensor]:
-        """``sqrt(v̂) + eps`` (workspace tensors, valid until the next call), ``sqrt(v̂) =
-        sqrt(v)/sqrt(1 - β2**var_updates)`` with ``bias_correction``, else ``sqrt(v)``. With
+                      clip_scales: float | list[float] = 1.0, roots: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """``sqrt(v̂) + eps`` (:meth:`_roots`, or ``roots`` given, which are consumed). With
         ``update_clip`` and ``clip_by`` (momenta, or synced ``ū`` with ``clip_scales = λ`` per
         tensor): ``max(sqrt(v̂), |clip_by|/(update_clip·clip_scale)) + eps``."""
-        group = chunk.group
-        denom = chunk.scratch(0)
-        torch._foreach_copy_(denom, chunk.state("exp_avg_sq"))
-        torch._foreach_sqrt_(denom)
-        if self.bias_correction and self.var_updates:
-            torch._foreach_div_(denom, math.sqrt(1 - group["betas"][1] ** self.var_updates))
+        denom = self._roots(chunk) if roots is None else roots
         if self.update_clip is not None and clip_by is not None:
-            scratch = chunk.scratch(1)
-            torch._foreach_copy_(scratch, clip_by)
-            torch._foreach_abs_(scratch)
+            scratch = torch._foreach_abs(clip_by)
             if isinstance(clip_scales, list):  # clip_root_'s |clip_by|·(1/limit), one limit per tensor
                 torch._foreach_mul_(scratch, [1 / (self.update_clip * c) for c in clip_scales])
             else:
                 torch._foreach_mul_(scratch, 1 / (self.update_clip * clip_scales))
             torch._foreach_maximum_(denom, scratch)
-        torch._foreach_add_(denom, group["eps"])
+        torch._foreach_add_(denom, chunk.group["eps"])
         return denom
 
     @torch.no_grad()
@@ -479,16 +476,19 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         for seg in segments:  # fill a segment, queue it, fill the next while it travels
             seg_params, views = seg.shaped_views(params)
             seg_parts = self._segment_chunks(seg_params, views)
+            with_roots = []
             for chunk, out in seg_parts:
+                roots = self._roots(chunk)  # kept for the restart below, which clips them by ū
                 torch._foreach_copy_(out, chunk.state("momentum_accumulator"))
-                torch._foreach_mul_(out, self._denominators(chunk))
+                torch._foreach_mul_(out, torch._foreach_add(roots, chunk.group["eps"]))
                 if self.sync_in_momentum_units:
                     self._per_live_tensor(chunk, out, torch._foreach_div_)
+                with_roots.append((chunk, out, roots))
             futures.append(self.link.compress_async(seg, Plan.SYNC_AFTER_STEP))
-            parts.append(seg_parts)
+            parts.append(with_roots)
         for fut, seg_parts in zip(futures, parts):
             fut.wait()
-            for chunk, ubar in seg_parts:
+            for chunk, ubar, roots in seg_parts:
                 self.apply_masks_(chunk, ubar)
                 # λ = 0: no local step since the last sync on any rank (a frozen parameter, no
                 # gradient, or lr 0), so u = 0 everywhere and the exact mean is 0; ū is then only
@@ -506,7 +506,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                     torch._foreach_div_(m, [-lam for lam in lams])
                     points = part.state("synced_param")
                     # the spec's (p - u) + ū/(sqrt(v)+eps); with update_clip no coordinate moves by more than update_clip·λ
-                    torch._foreach_addcdiv_(points, ubar_live, self._denominators(part, ubar_live, lams))
+                    roots_live = roots if part is chunk else [roots[i] for i in live]
+                    torch._foreach_addcdiv_(points, ubar_live, self._denominators(part, ubar_live, lams, roots_live))
                     torch._foreach_copy_(part.params, points)
                 self._restart(chunk)
 
