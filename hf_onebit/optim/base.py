@@ -332,8 +332,16 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 )
             self._last_phase = phase
 
+    #: Whether ``step()`` masks its update with :attr:`finite_ok` (a 0-dim device bool): where it
+    #: is False no state tensor may change. Optimizers that do get their gradients checked on a
+    #: GPU without a host sync (:func:`~hf_onebit.optim.guards.check_finite_grads`); the others
+    #: wait for the check, as every optimizer does on CPU.
+    masks_non_finite_steps = False
+    finite_ok: torch.Tensor | None = None
+
     def begin_step(self, closure=None) -> tuple:
-        """The common start of every ``step()``: run the closure, refuse non-finite gradients.
+        """The common start of every ``step()``: run the closure, refuse non-finite gradients
+        (raising for the step before where its check was deferred; setting :attr:`finite_ok`).
 
         Returns ``(loss, t, plan)`` for the step about to run.
         """
@@ -342,7 +350,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         guards.check_grads_exchanged(self, self.steps_done + 1)
-        guards.check_finite_grads(self)
+        #: this step's finiteness flag on the device where the step must mask its update (a GPU,
+        #: see guards.check_finite_grads), else None (checked on the host already, or not at all)
+        self.finite_ok = guards.check_finite_grads(self)
         self._step_plan = self.plan()
         return loss, self.steps_done + 1, self._step_plan
 

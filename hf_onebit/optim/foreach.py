@@ -62,6 +62,18 @@ class Chunk:
         """fp32 temporaries shaped like the parameters (workspace ``slot``; contents undefined)."""
         return self.workspace.views(slot, self.params)
 
+    def sanitized_grads(self, ok: torch.Tensor) -> list[torch.Tensor]:
+        """The fp32 gradients where ``ok`` (a 0-dim device bool) holds, zeros where it does not
+        (NaN included): one fill of a flat copy in workspace slot :data:`GRAD_SLOT`, two ops
+        whatever the number of tensors. For steps masked on the device (see
+        :func:`hf_onebit.optim.guards.check_finite_grads`)."""
+        views = self.workspace.views(GRAD_SLOT, self.params)
+        if self.grads is not views:  # low-precision gradients are in those views already
+            torch._foreach_copy_(views, self.grads)
+        flat = self.workspace.flat(GRAD_SLOT, self.params)
+        flat.masked_fill_(ok.logical_not(), 0.0)  # NaN too: a fill, not a product
+        return views
+
     @property
     def fp32(self) -> bool:
         return self.params[0].dtype == torch.float32

@@ -3,6 +3,11 @@ gradients that never reached the hook, and non-finite gradients without a loss s
 
 Each is a function of the optimizer, called from :meth:`OneBitOptimizer.begin_step` (and, for
 :func:`check_synced`, from the steps whose plan communicates).
+
+Non-finite gradients on a GPU (:data:`DEFERRED_DEVICES`) are refused without a host sync, one
+step later: the verdict is a flag on the device that masks the step's update (an optimizer that
+can, :attr:`~hf_onebit.optim.base.OneBitOptimizer.masks_non_finite_steps`), copied to pinned host
+memory, and read at the next ``step()`` (see :func:`check_finite_grads`).
 """
 
 from __future__ import annotations
@@ -15,21 +20,66 @@ if TYPE_CHECKING:
     from hf_onebit.optim.base import OneBitOptimizer
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """True when every element of every tensor is finite; one host sync.
+#: Device types whose gradients are checked without a host sync, the verdict read a step later
+#: (on CPU reading a value costs nothing, and the error comes before the step, as it always did).
+DEFERRED_DEVICES = {"cuda"}
 
-    A NaN or inf anywhere makes that tensor's 2-norm, and so the sum of the norms, non-finite;
-    the fused ``_foreach_norm`` reads each gradient once (16x faster than ``isfinite(g).all()``
-    per tensor on 98 tensors of MiniLM). A non-finite sum can also be an fp32 overflow of huge
-    finite values, so it is confirmed element-wise before anyone is told.
+
+def finite_flag(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim bool on the tensors' device: every element of every tensor is finite. No host read.
+
+    The fused ``_foreach_norm`` reads each tensor once (16x faster than ``isfinite(g).all()`` per
+    tensor on 98 tensors of MiniLM); its ∞-norm, the largest ``|x|``, is NaN or inf exactly
+    where a NaN or inf is, and cannot overflow as a sum of squares of huge finite values can.
     """
+    norms = torch._foreach_norm([t for t in tensors if t.numel()] or [torch.zeros(1, device=tensors[0].device)],
+                                float("inf"))
+    return torch.isfinite(torch.stack(norms).max())
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """True when every element of every tensor is finite; one host sync."""
     try:
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-        if bool(torch.isfinite(torch.stack(norms).sum())):
-            return True
+        return bool(finite_flag(tensors))
     except (RuntimeError, TypeError):  # e.g. sparse or mixed-device lists: the element-wise check
-        pass
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+
+class _PendingFlag:
+    """The finiteness verdict of a step masked on the device, on its way to the host.
+
+    One pinned host byte per optimizer, reused: a verdict is read before the next is copied.
+    ``ready`` is read through a numpy view made once, so reading it converts no tensor, and
+    it waits only if the copy has not landed (then for the step before, at the latest)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.host, self.array = _pinned_flag(device)
+        self.event = None
+        self.step: int | None = None
+        self.phase = ""
+
+    def send(self, flag: torch.Tensor, step: int, phase: str) -> None:
+        self.host.copy_(flag, non_blocking=True)
+        if flag.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.step, self.phase = step, phase
+
+    def take(self) -> tuple[int, str] | None:
+        """``(step, phase)`` of a step found non-finite, else ``None``; forgets the verdict."""
+        if self.step is None:
+            return None
+        if self.event is not None and not self.event.query():
+            self.event.synchronize()  # not landed after a whole step: wait for it
+        bad = None if bool(self.array) else (self.step, self.phase)
+        self.step, self.event = None, None
+        return bad
+
+
+def _pinned_flag(device: torch.device):
+    """A host bool (pinned for a CUDA device's non-blocking copies) and a numpy view of it."""
+    host = torch.zeros((), dtype=torch.bool, pin_memory=device.type == "cuda")
+    return host, host.numpy()
 
 
 def check_synced(opt: OneBitOptimizer, t: int) -> bool:
@@ -75,30 +125,64 @@ def check_grads_exchanged(opt: OneBitOptimizer, t: int) -> None:
         )
 
 
-def check_finite_grads(opt: OneBitOptimizer) -> None:
+_REMEDIES = (
+    " No loss scaler is attached, so the step cannot be skipped. Remedies: lower the learning rate, clip"
+    " gradients, or for fp16 pass the GradScaler to hf_onebit.attach(..., grad_scaler=scaler) so such steps"
+    " are skipped."
+)
+
+
+def check_finite_grads(opt: OneBitOptimizer) -> torch.Tensor | None:
     """Stop with a clear error if any gradient is non-finite and no loss scaler can skip the step.
 
-    Called at the start of every ``step()``, before any state changes. With a loss scaler
-    attached the scaler skips such steps on every rank (the exchanged values are non-finite
-    everywhere) and never calls ``step()``; without one, silently applying NaN would corrupt
-    moments, variance and parameters for good.
+    Called at the start of every ``step()``. With a loss scaler attached the scaler skips such
+    steps on every rank (the exchanged values are non-finite everywhere) and never calls
+    ``step()``; without one, silently applying NaN would corrupt moments, variance and parameters
+    for good. ``check_finite=False`` at construction skips the check, for a loop that checks its
+    gradients itself. The promise: a non-finite gradient never changes optimizer state
+    (parameters, moments, error buffers), and ``FloatingPointError`` is raised.
 
-    This is the one host synchronisation of a step, and a deliberate one: refusing a NaN
-    *before* it reaches the optimizer state needs the host to know whether there is one,
-    so the host waits here for one fused norm over the gradients. Nothing else in the
-    hook or in ``step()`` waits for the device once the phase is steady (tested in
-    ``tests/optim/test_host_syncs.py``). With a loss scaler it is skipped (its own ``step``
-    already waits for its inf check); ``check_finite=False`` at construction skips it too,
-    for a loop that checks its gradients itself.
+    * Where reading a device value is free (CPU), or the optimizer cannot mask a step, or under
+      FSDP2 (every rank of a replica must agree, which the host decides): the host reads one
+      fused norm over the gradients and raises *before* any state changes. On a GPU that read is
+      a host synchronisation, the one of such a step.
+    * On a GPU (:data:`DEFERRED_DEVICES`), with an optimizer that masks
+      (:attr:`~hf_onebit.optim.base.OneBitOptimizer.masks_non_finite_steps`): no host sync. The
+      verdict stays on the device and is returned; the step uses it to leave every state tensor
+      as it was (its arithmetic is unchanged where the flag holds). It is copied to pinned host
+      memory and read at the next ``step()``, which raises for the step before, before changing
+      anything itself. Only the counters (``steps_done`` and the schedules) moved on. An error
+      buffer is not changed by a non-finite exchange in any case (the compressed all-reduce
+      checks its scales on every rank first, see :mod:`hf_onebit.comm.compressed`).
+
+    Returns the device flag of a masked step, else ``None``.
     """
+    pending = getattr(opt, "_pending_finite", None)
+    bad = pending.take() if pending is not None else None
+    if bad is not None:
+        raise FloatingPointError(
+            f"hf_onebit {type(opt).__name__}: non-finite gradient at step {bad[0]} (phase '{bad[1]}'), found on the"
+            " device after that step, whose update it masked: no parameter, moment or error buffer changed."
+            + _REMEDIES
+        )
     if opt.scaled or not opt.check_finite:
-        return
+        return None
     grads = [p.grad for p in opt.params_in_order() if p.grad is not None]
-    finite = not grads or _all_finite(grads)
+    if not grads:
+        return None
+    device = grads[0].device
+    if (opt.masks_non_finite_steps and device.type in DEFERRED_DEVICES
+            and not (opt.link is not None and opt.link.sharded) and all(g.device == device for g in grads)):
+        flag = finite_flag(grads)
+        if pending is None:
+            pending = opt._pending_finite = _PendingFlag(device)
+        pending.send(flag, opt.steps_done + 1, opt.phase())
+        return flag
+    finite = _all_finite(grads)
     if opt.link is not None:  # FSDP2: each rank of a replica holds other shards; all stop or none
         finite = opt.link.all_ranks_agree(finite)
     if finite:
-        return
+        return None
     index = opt._index_of()
     bad = [index[id(p)] for p in opt.params_in_order() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     where = f"in parameter(s) {bad[:8]} (optimizer order) on rank {opt.rank}" if bad else "on another rank's shard"

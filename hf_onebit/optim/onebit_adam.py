@@ -41,15 +41,19 @@ def adam_update_(
     bias_correction1: float,
     bias_correction2: float,
     update_clip: float | None = None,
+    ok: torch.Tensor | None = None,
 ) -> None:
     """``p -= lr·(m̂/(sqrt(v̂)+eps) + wd·p)`` in AdamW's operation order, over a chunk's lists
     (the functional core; temporaries in the chunk's workspace slots 0 and 1).
 
     With ``update_clip = c`` the denominator is ``max(sqrt(v̂), |m̂|/c) + eps``: no coordinate
-    moves by more than ``c·lr`` (see :class:`OneBitAdam`'s ``update_clip``).
+    moves by more than ``c·lr`` (see :class:`OneBitAdam`'s ``update_clip``). With ``ok`` (a 0-dim
+    device bool) the parameters move only where it holds: the decay factor becomes 1 and ``m``
+    enters as ``m·ok`` (exact: ``x·1 = x``, and ``p + 0 = p``).
     """
     if weight_decay:
-        torch._foreach_mul_(chunk.params, 1 - lr * weight_decay)
+        decay = 1 - lr * weight_decay
+        torch._foreach_mul_(chunk.params, decay if ok is None else torch.where(ok, decay, 1.0))
     denom = chunk.scratch(0)
     torch._foreach_copy_(denom, v)
     torch._foreach_sqrt_(denom)
@@ -57,6 +61,8 @@ def adam_update_(
     if update_clip is not None:
         clip_roots_(denom, m, bias_correction1 * update_clip, chunk.scratch(1))
     torch._foreach_add_(denom, eps)
+    if ok is not None:
+        m = torch._foreach_mul(m, ok.float())
     chunk.update_params_(lambda w: torch._foreach_addcdiv_(w, m, denom, value=-lr / bias_correction1), slot=2)
 
 
@@ -82,8 +88,10 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
             group to be the whole world; ``None``: by node exactly when those hold; ``False``
             (default): the spec's exchange among all ranks. Full-precision warmups stay flat; b-bit ones go by node too.
-        check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
-            any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
+        check_finite: without a loss scaler, refuse a non-finite gradient (``FloatingPointError``);
+            no optimizer state changes. CPU tensors are checked before the step; on a GPU the
+            step is masked on the device and the error comes at the next ``step()``, with no host
+            sync (see ``optim.guards.check_finite_grads``).
         update_clip: after the freeze, bound every coordinate's step at ``update_clip·lr`` by
             dividing by ``max(sqrt(v̂), |m̂|/update_clip)`` (``None``: the spec's update). Under Adam
             ``|m̂| <= sqrt(v̂)`` nearly always holds, as both average the same gradients; with the
@@ -172,6 +180,10 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             torch._foreach_copy_([outs[i] for i in index], mixed)
 
     # ---------------------------------------------------------------- step
+    #: A step whose gradients are not all finite leaves every state tensor as it was (see
+    #: :func:`~hf_onebit.optim.guards.check_finite_grads`, which then needs no host sync on a GPU).
+    masks_non_finite_steps = True
+
     @torch.no_grad()
     def step(self, closure=None):
         loss, t, plan = self.begin_step(closure)
@@ -179,18 +191,27 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         compress = plan is Plan.COMPRESS_MOMENTUM
         if compress and t == self.freeze_step + 1:
             self.freeze_masks()
+        ok = self.finite_ok  # a device flag: mask this step's update with it (None: nothing to mask)
         for chunk in chunks(self, self._init_state):
             group = chunk.group
             beta1, beta2 = group["betas"]
-            m, v, grads = chunk.state("exp_avg"), chunk.state("exp_avg_sq"), chunk.grads
+            m, v = chunk.state("exp_avg"), chunk.state("exp_avg_sq")
+            # masked: gradients zero where not ok, and every state update below made neutral there
+            grads = chunk.grads if ok is None else chunk.sanitized_grads(ok)
             if not compress:  # warmup: .grad is the averaged gradient
-                torch._foreach_lerp_(m, grads, 1 - beta1)
-                torch._foreach_mul_(v, beta2)
+                if ok is None:
+                    torch._foreach_lerp_(m, grads, 1 - beta1)
+                else:  # m = m·(1-ok) + lerp(m, g, 1-β1)·ok: exactly the lerp, or exactly m
+                    _select_(m, torch._foreach_lerp(m, grads, 1 - beta1), ok)
+                torch._foreach_mul_(v, beta2 if ok is None else torch.where(ok, beta2, 1.0))
                 torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
             elif synced:  # compression: the hook delivered the averaged momentum in .grad
-                torch._foreach_copy_(m, grads)
+                if ok is None:
+                    torch._foreach_copy_(m, grads)
+                else:
+                    _select_(m, grads, ok)
             else:  # one process: the momentum is local and exact
-                torch._foreach_mul_(m, beta1)
+                torch._foreach_mul_(m, beta1 if ok is None else torch.where(ok, beta1, 1.0))
                 torch._foreach_add_(m, grads, alpha=1 - beta1)
             if compress:
                 self.apply_masks_(chunk, m)
@@ -202,8 +223,18 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             adam_update_(
                 chunk, m, v, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
                 bias_correction1=bc1, bias_correction2=bc2, update_clip=self.update_clip if compress else None,
+                ok=ok,
             )
         if not compress:
             self.observe_variance(t, t)
         self._after_step()
         return loss
+
+
+def _select_(state: list[torch.Tensor], new: list[torch.Tensor], ok: torch.Tensor) -> None:
+    """``state = new`` where the device flag ``ok`` holds, else unchanged, with no host read:
+    ``state·(1-ok) + new·ok`` (both finite: ``x·0 = 0``; ``new`` is consumed)."""
+    okf = ok.float()
+    torch._foreach_mul_(new, okf)
+    torch._foreach_mul_(state, 1 - okf)
+    torch._foreach_add_(state, new)

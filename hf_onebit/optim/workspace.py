@@ -46,15 +46,22 @@ class Workspace:
     def views(self, slot: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
         """Contiguous fp32 tensors shaped like each of ``like`` (all on one device), side by
         side in one buffer (contents undefined); the same list object for the same shapes."""
+        return self._cut(slot, like)[0]
+
+    def flat(self, slot: int, like: list[torch.Tensor]) -> torch.Tensor:
+        """The one flat tensor that :meth:`views` of the same arguments cut (for whole-list ops)."""
+        return self._cut(slot, like)[1]
+
+    def _cut(self, slot: int, like: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         device = like[0].device
-        shapes = tuple(t.shape for t in like)
-        key = (device, slot, shapes)
-        views = self._views.get(key)
-        if views is None:
-            buf = self._buffer(device, slot, sum(t.numel() for t in like))
+        key = (device, slot, tuple(t.shape for t in like))
+        cut = self._views.get(key)
+        if cut is None:
+            total = sum(t.numel() for t in like)
+            flat = self._buffer(device, slot, total)[:total]
             views, off = [], 0
             for t in like:
-                views.append(buf[off: off + t.numel()].view(t.shape))
+                views.append(flat[off: off + t.numel()].view(t.shape))
                 off += t.numel()
-            self._views[key] = views
-        return views
+            cut = self._views[key] = (views, flat)
+        return cut

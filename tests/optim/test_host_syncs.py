@@ -13,8 +13,10 @@ watched.
 What may appear:
 
 * steady steps: nothing at all, with a ``GradScaler`` attached and with ``check_finite=False``;
-  with the default ``check_finite=True`` and no scaler, exactly one call per step, from
-  ``_all_finite`` (the documented check that refuses NaN before it reaches the state);
+  with the default ``check_finite=True`` and no scaler, nothing either where the check is
+  deferred (a GPU's: the step masked on the device, the verdict read a step later from pinned
+  memory; forced here on CPU), else exactly one call per step, from ``_all_finite`` (the check
+  that refuses NaN before it reaches the state, which CPU tensors read at no cost);
 * the step that starts a phase (and step 1, DDP's one-bucket iteration): also one-time setup,
   only from :data:`ONE_TIME` (the masks frozen at the end of the warmup, a compression
   segment's index tensor, the vote packing weights made once per device).
@@ -44,7 +46,8 @@ CONVERSIONS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist"
 EXEMPT = {("kernels/cpu.py", "*", "*"), ("optim/vote_streams.py", "uniform_", "numpy")}
 
 #: One-time setup allowed on the first step of a phase (never in a steady step).
-ONE_TIME = {"optim/masks.py:freeze_masks", "comm/compressed.py:_setup_pieces", "kernels/reference.py:_weights"}
+ONE_TIME = {"optim/masks.py:freeze_masks", "comm/compressed.py:_setup_pieces", "kernels/reference.py:_weights",
+            "optim/guards.py:_pinned_flag"}
 
 #: The deliberate sync of ``check_finite_grads`` (one per step without a loss scaler).
 FINITE_CHECK = "optim/guards.py:_all_finite"
@@ -98,9 +101,21 @@ class SyncWatch:
         return calls
 
 
-def _train(watch, rank, opt_name, kwargs, steps, scaler, tensors=None):
+def _train(watch, rank, opt_name, kwargs, steps, scaler, tensors=None, defer=False):
     """``tensors``: a :class:`tests.op_counts.Stack` of that many tensors, each in a DDP bucket
-    (and so a compression segment) of its own, in place of the fixed-gradient model."""
+    (and so a compression segment) of its own, in place of the fixed-gradient model. ``defer``:
+    the finiteness check of a GPU (masked on the device, read a step later) on these CPU tensors."""
+    from hf_onebit.optim import guards
+
+    deferred = guards.DEFERRED_DEVICES
+    guards.DEFERRED_DEVICES = {"cpu", "cuda"} if defer else deferred
+    try:
+        return _train_watched(watch, rank, opt_name, kwargs, steps, scaler, tensors)
+    finally:
+        guards.DEFERRED_DEVICES = deferred
+
+
+def _train_watched(watch, rank, opt_name, kwargs, steps, scaler, tensors):
     import hf_onebit
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -171,6 +186,10 @@ CASES = {
     "BinSGDM-scaler": ("BinSGDM", dict(lr=1e-2), 5, True, {1}),
     # the default check_finite=True: the one deliberate sync per step
     "OneBitAdam-checked": ("OneBitAdam", ADAM, 7, False, {1, 4}),
+    # the same check as on a GPU: masked on the device, read a step later from pinned memory
+    "OneBitAdam-checked-deferred": ("OneBitAdam", ADAM, 7, False, {1, 4}, {"defer": True}),
+    "OneBitAdam-checked-deferred-per-tensor": ("OneBitAdam", {**ADAM, "scale_per_tensor": True, "warmup_bits": 8}, 7,
+                                               False, {1, 2, 4}, {"defer": True}),
     # more than 256 segments with one scale per tensor (issue 29, finding 3: piece tables cached
     # for 256 segments at most): the 300 segments are made at step 4, the first compressed one
     "OneBitAdam-300-segments": ("OneBitAdam", {**ADAM, **NO_CHECK, "scale_per_tensor": True}, 6, False, {1, 4},
@@ -195,7 +214,8 @@ def hier_runs():
 
 def _check(outs, name, case):
     opt_name, kwargs, steps, scaler, starts = case[:5]
-    checked = not scaler and kwargs.get("check_finite", True)
+    deferred = len(case) > 5 and case[5].get("defer", False)  # no host read at all
+    checked = not scaler and kwargs.get("check_finite", True) and not deferred
     plans = [r["plan"] for r in outs[0][name]]
     for rank, records in enumerate(outs):
         for step, rec in enumerate(records[name], 1):
