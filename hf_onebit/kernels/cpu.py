@@ -72,6 +72,8 @@ __all__ = [
     "worker_pack",
     "worker_scale",
     "vote_threshold",
+    "vote_uniform",
+    "vote_uniform_table",
 ]
 
 
