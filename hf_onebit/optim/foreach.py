@@ -131,3 +131,12 @@ def chunks(opt: OneBitOptimizer, init_state: Callable[[torch.Tensor], dict] | No
                     torch._foreach_copy_(fp32, grads)
                     grads = fp32
                 yield Chunk(run, grads, states, group, ws)
+
+
+def select_(state: list[torch.Tensor], new: list[torch.Tensor], ok: torch.Tensor) -> None:
+    """``state = new`` where the device flag ``ok`` holds, else unchanged, with no host read:
+    ``state·(1-ok) + new·ok`` (both finite: ``x·0 = 0``; ``new`` is consumed)."""
+    okf = ok.float()
+    torch._foreach_mul_(new, okf)
+    torch._foreach_mul_(state, 1 - okf)
+    torch._foreach_add_(state, new)

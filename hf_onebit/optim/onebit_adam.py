@@ -22,7 +22,7 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.foreach import Chunk, chunks
+from hf_onebit.optim.foreach import Chunk, chunks, select_
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
@@ -202,14 +202,14 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 if ok is None:
                     torch._foreach_lerp_(m, grads, 1 - beta1)
                 else:  # m = m·(1-ok) + lerp(m, g, 1-β1)·ok: exactly the lerp, or exactly m
-                    _select_(m, torch._foreach_lerp(m, grads, 1 - beta1), ok)
+                    select_(m, torch._foreach_lerp(m, grads, 1 - beta1), ok)
                 torch._foreach_mul_(v, beta2 if ok is None else torch.where(ok, beta2, 1.0))
                 torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
             elif synced:  # compression: the hook delivered the averaged momentum in .grad
                 if ok is None:
                     torch._foreach_copy_(m, grads)
                 else:
-                    _select_(m, grads, ok)
+                    select_(m, grads, ok)
             else:  # one process: the momentum is local and exact
                 torch._foreach_mul_(m, beta1 if ok is None else torch.where(ok, beta1, 1.0))
                 torch._foreach_add_(m, grads, alpha=1 - beta1)
@@ -230,11 +230,3 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         self._after_step()
         return loss
 
-
-def _select_(state: list[torch.Tensor], new: list[torch.Tensor], ok: torch.Tensor) -> None:
-    """``state = new`` where the device flag ``ok`` holds, else unchanged, with no host read:
-    ``state·(1-ok) + new·ok`` (both finite: ``x·0 = 0``; ``new`` is consumed)."""
-    okf = ok.float()
-    torch._foreach_mul_(new, okf)
-    torch._foreach_mul_(state, 1 - okf)
-    torch._foreach_add_(state, new)

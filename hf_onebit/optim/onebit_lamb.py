@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.foreach import Chunk, chunks
+from hf_onebit.optim.foreach import Chunk, chunks, select_
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
@@ -110,8 +110,10 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
             group to be the whole world; ``None``: by node exactly when those hold; ``False``
             (default): the spec's exchange among all ranks. Full-precision warmups stay flat; b-bit ones go by node too.
-        check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
-            any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
+        check_finite: without a loss scaler, refuse a non-finite gradient (``FloatingPointError``);
+            no optimizer state changes. CPU tensors (and FSDP2 shards) are checked before the
+            step; on a GPU the step is masked on the device and the error comes at the next
+            ``step()``, with no host sync (see ``optim.guards.check_finite_grads``).
         update_clip: in the compression phase the update is ``u = m/(max(sqrt(v), |m|/update_clip)
             + eps) + wd·p``, so no coordinate of the adaptive share exceeds ``update_clip`` before
             the trust ratio (``None``: the spec's update). 1-bit Adam's bound (see
@@ -346,14 +348,16 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         torch._foreach_mul_(u, list(coeffs.unbind()))
         chunk.update_params_(lambda w: torch._foreach_add_(w, u, alpha=-lr), slot=3)
 
-    def _warmup_chunk(self, chunk: Chunk) -> None:
-        """LAMB on the averaged gradient (:meth:`_warmup_update` over lists)."""
-        group, grads = chunk.group, chunk.grads
+    def _warmup_chunk(self, chunk: Chunk, ok: torch.Tensor | None) -> None:
+        """LAMB on the averaged gradient (:meth:`_warmup_direction` and :meth:`_warmup_finish`
+        over lists). ``ok``: the device flag that masks the step (see :meth:`step`)."""
+        group = chunk.group
+        grads = chunk.grads if ok is None else chunk.sanitized_grads(ok)
         beta1, beta2 = group["betas"]
         m, v = chunk.state("exp_avg"), chunk.state("exp_avg_sq")
-        torch._foreach_mul_(m, beta1)
+        torch._foreach_mul_(m, beta1 if ok is None else torch.where(ok, beta1, 1.0))
         torch._foreach_add_(m, grads, alpha=1 - beta1)
-        torch._foreach_mul_(v, beta2)
+        torch._foreach_mul_(v, beta2 if ok is None else torch.where(ok, beta2, 1.0))
         torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
         pf = self._fp32_params(chunk)
         root, u = chunk.scratch(0), chunk.scratch(1)
@@ -371,13 +375,18 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         cb = group["coeff_beta"]
         frozen_list = chunk.state("coeff_frozen")
         frozen = torch.stack(frozen_list)
-        torch._foreach_copy_(frozen_list, list(torch.where(c != 1, frozen * cb + (1 - cb) * c, frozen).unbind()))
+        new_frozen = torch.where(c != 1, frozen * cb + (1 - cb) * c, frozen)
+        if ok is not None:
+            new_frozen, c = torch.where(ok, new_frozen, frozen), c * ok.float()
+        torch._foreach_copy_(frozen_list, list(new_frozen.unbind()))
         self._apply_updates(chunk, u, c, group["lr"])
 
-    def _compression_chunk(self, chunk: Chunk, synced: bool) -> None:
-        """The compression step (:meth:`_compression_update` over lists). Its temporaries are the
-        results of out-of-place list ops (one op each, where a workspace copy would add one)."""
-        group, grads = chunk.group, chunk.grads
+    def _compression_chunk(self, chunk: Chunk, synced: bool, ok: torch.Tensor | None) -> None:
+        """The compression step (:meth:`_compression_direction` and :meth:`_compression_finish`
+        over lists). Its temporaries are the results of out-of-place list ops (one op each, where
+        a workspace copy would add one). ``ok``: the device flag that masks the step."""
+        group = chunk.group
+        grads = chunk.grads if ok is None else chunk.sanitized_grads(ok)
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
         m, v, v_fresh = chunk.state("exp_avg"), chunk.state("exp_avg_sq"), chunk.state("exp_avg_sq_fresh")
@@ -393,8 +402,13 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 new_m[i] = product
         g_rec = torch._foreach_sub(new_m, m, alpha=beta1)
         torch._foreach_div_(g_rec, 1 - beta1)  # (m − β1·m_prev)/(1−β1)
-        torch._foreach_copy_(m, new_m)
-        torch._foreach_mul_(v_fresh, beta2)
+        if ok is None:
+            torch._foreach_copy_(m, new_m)
+            torch._foreach_mul_(v_fresh, beta2)
+        else:  # masked: m and v_fresh keep their values where ok fails (g̃·0 adds 0)
+            torch._foreach_mul_(g_rec, ok.float())
+            select_(m, new_m, ok)
+            torch._foreach_mul_(v_fresh, torch.where(ok, beta2, 1.0))
         torch._foreach_addcmul_(v_fresh, g_rec, g_rec, value=1 - beta2)
         root = torch._foreach_sqrt(v)
         denom = torch._foreach_add(root, eps)  # sqrt(v) + eps
@@ -419,8 +433,11 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         last = torch.stack(last_list)
         thr = group["factor_threshold"]
         factor = torch.clamp(factor, last * (1 - thr), last * (1 + thr))
+        coeffs = torch.stack(chunk.state("coeff_frozen")) * factor
+        if ok is not None:  # masked: the last factor stays, and the parameters move by 0·u
+            factor, coeffs = torch.where(ok, factor, last), coeffs * ok.float()
         torch._foreach_copy_(last_list, list(factor.unbind()))
-        self._apply_updates(chunk, u, torch.stack(chunk.state("coeff_frozen")) * factor, group["lr"])
+        self._apply_updates(chunk, u, coeffs, group["lr"])
 
     def _sharded_step(self, compress: bool, synced: bool) -> None:
         """FSDP2 with shards (:mod:`hf_onebit.hook.fsdp`): each rank holds a shard of every tensor,
@@ -483,6 +500,11 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             self.state[p]["scaling"].copy_(torch.where(torch.isfinite(ratio) & (ratio > 0), ratio, 1.0))
         self.freeze_masks()
 
+    #: A step whose gradients are not all finite leaves every state tensor as it was, when it runs
+    #: on the list cores (not on FSDP2's shards, which check on the host; see
+    #: :func:`~hf_onebit.optim.guards.check_finite_grads`, which then needs no host sync on a GPU).
+    masks_non_finite_steps = True
+
     @torch.no_grad()
     def step(self, closure=None):
         loss, t, plan = self.begin_step(closure)
@@ -493,9 +515,9 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         else:
             for chunk in chunks(self, self._init_state, skip_empty=True):
                 if compress:
-                    self._compression_chunk(chunk, synced)
+                    self._compression_chunk(chunk, synced, self.finite_ok)
                 else:
-                    self._warmup_chunk(chunk)
+                    self._warmup_chunk(chunk, self.finite_ok)
         if not compress:
             self.observe_variance(t, t)  # an automatic freeze may choose this step
         if t == self.freeze_step:

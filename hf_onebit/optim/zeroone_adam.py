@@ -90,7 +90,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             group to be the whole world; ``None``: by node exactly when those hold; ``False``
             (default): the spec's exchange among all ranks. Full-precision variance steps stay flat; b-bit ones go by node too.
         check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
-            any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
+            any state changes (the step's one host sync on a GPU: 0/1 Adam does not mask a step
+            on the device, its ``λ`` lives on the host; see ``optim.guards.check_finite_grads``).
         update_clip: on every step that does not update the variance (1-bit gradient steps and
             local steps) divide by ``max(sqrt(v̂), |m|/update_clip) + eps``, so no coordinate
             moves by more than ``update_clip·lr`` (plus weight decay); at a sync the move

@@ -2,7 +2,7 @@
 error comes at the next step (issue 29).
 
 On CUDA, :func:`hf_onebit.optim.guards.check_finite_grads` does not read its verdict on the host
-(that read would stall the host once per step): 1-bit Adam masks the step with the device flag,
+(that read would stall the host once per step): 1-bit Adam and 1-bit LAMB mask the step with the device flag,
 and the next ``step()`` reads it from pinned memory and raises for the step before. The same
 path is forced here on CPU (``guards.DEFERRED_DEVICES``); where it is not forced, CPU tensors are
 checked before the step, as tests/test_hook.py checks.
@@ -30,7 +30,7 @@ def _snapshot(opt, model) -> list[torch.Tensor]:
     return out
 
 
-def _nan_at(rank, world_size, bad_step, kwargs):
+def _nan_at(rank, world_size, bad_step, name, kwargs):
     import hf_onebit
     from hf_onebit.optim import guards
 
@@ -39,7 +39,7 @@ def _nan_at(rank, world_size, bad_step, kwargs):
     try:
         torch.manual_seed(0)
         model = FixedGradModel()
-        opt = hf_onebit.OneBitAdam(model.parameters(), defaults="paper", lr=1e-2, freeze_step=3, **kwargs)
+        opt = getattr(hf_onebit, name)(model.parameters(), defaults="paper", lr=1e-2, freeze_step=3, **kwargs)
         ddp = DDP(model, bucket_cap_mb=0.01)
         hf_onebit.attach(ddp, opt)
         out = {"masked": None}
@@ -67,10 +67,14 @@ def _nan_at(rank, world_size, bad_step, kwargs):
 
 
 @pytest.mark.parametrize("bad_step", [2, 5])  # warmup, compression
-@pytest.mark.parametrize("kwargs", [{}, {"warmup_bits": 8, "scale_per_tensor": True, "weight_decay": 0.01,
-                                         "update_clip": 1.0}], ids=["paper", "8bit-per-tensor"])
-def test_a_masked_non_finite_step_changes_no_state_and_the_next_step_raises(bad_step, kwargs):
-    outs = run_distributed(_nan_at, 2, bad_step, kwargs)
+@pytest.mark.parametrize("name,kwargs", [
+    ("OneBitAdam", {}),
+    ("OneBitAdam", {"warmup_bits": 8, "scale_per_tensor": True, "weight_decay": 0.01, "update_clip": 1.0}),
+    ("OneBitLamb", {"weight_decay": 0.01, "update_clip": 1.0}),
+    ("OneBitLamb", {"warmup_bits": 8, "scale_per_tensor": True}),
+], ids=["adam", "adam-8bit-per-tensor", "lamb", "lamb-8bit-per-tensor"])
+def test_a_masked_non_finite_step_changes_no_state_and_the_next_step_raises(bad_step, name, kwargs):
+    outs = run_distributed(_nan_at, 2, bad_step, name, kwargs)
     for out in outs:  # the NaN of rank 0 reaches every rank through the exchange
         assert out["masked"] is True, "the step with a NaN gradient changed optimizer state"
         assert out["steps_done"] == bad_step  # only the counters moved on (documented)

@@ -46,17 +46,22 @@ CASES = {
                      "local": [11, 13, 14, 15, 17, 18]}),
     "OneBitLamb": ("OneBitLamb", dict(lr=1e-2, freeze_step=3, update_clip=1.0), 6,
                    {"allreduce": [2], "compress_momentum": [5, 6]}),
+    "OneBitLamb-deferred-check": ("OneBitLamb", dict(lr=1e-2, freeze_step=3, update_clip=1.0), 6,
+                                  {"allreduce": [2], "compress_momentum": [5, 6]}, {"defer": True}),
     # weight decay adds two norms per tensor list and the vector maths of its share of the update
     "OneBitLamb-decay": ("OneBitLamb", dict(lr=1e-2, weight_decay=0.01, freeze_step=3, update_clip=1.0), 6,
                          {"allreduce": [2], "compress_momentum": [5, 6]}),
 }
 
-#: Ops over 4x AdamW's (32 on CPU) that a step is still allowed: a goal missed, measured and
-#: reported in the closing note of issue 29, held here so that it cannot grow unseen.
-#: 1-bit LAMB's compression step with weight decay (38): 13 ops of per-tensor scalar maths on
-#: stacked vectors (weight decay's share of the trust ratio, the factor's bounds) and 2 norms per
-#: list come on top of 1-bit Adam's step.
-OVER_FOUR_ADAMW = {("OneBitLamb-decay", "compress_momentum"): 6}
+#: Ops over 4x AdamW's (32 on CPU) that 1-bit LAMB's steps are still allowed: a goal missed,
+#: measured and reported in the closing note of issue 29, held here so that it cannot grow unseen.
+#: Its compression step with weight decay (38): 13 ops of per-tensor scalar maths on stacked
+#: vectors (weight decay's share of the trust ratio, the factor's bounds) and 2 norms per list
+#: come on top of 1-bit Adam's step. Masked for a GPU's check (33 and 35): the gradients'
+#: flat copy and fill (2), the selects of m (2 more than its copy) and g̃, the factor and
+#: coefficients kept where the flag fails.
+OVER_FOUR_ADAMW = {("OneBitLamb-decay", "compress_momentum"): 6, ("OneBitLamb-deferred-check", "allreduce"): 1,
+                   ("OneBitLamb-deferred-check", "compress_momentum"): 3}
 
 
 def _count(rank, world_size, tensors):
