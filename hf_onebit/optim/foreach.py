@@ -12,10 +12,16 @@ order and its results bitwise.
 
 A chunk holds tensors that one list op may take together: one parameter group (its
 hyperparameters), one device, one parameter dtype and one gradient dtype. Its temporaries are
-:class:`~hf_onebit.optim.workspace.Workspace` views (fp32, made once per layout), so a chunk is
-also bounded in size (:data:`CHUNK_NUMEL`): the workspace then needs a few buffers of at most
-that size (or of the largest tensor), not a few copies of the model. The number of chunks grows
-with the model's size, not with its number of tensors.
+:class:`~hf_onebit.optim.workspace.Workspace` views (fp32, made once per layout) or the results
+of out-of-place list ops (one op where a copy into a view and an in-place op are two; transient,
+as torch's own foreach Adam's), so a chunk is also bounded in size (:data:`CHUNK_NUMEL`): a
+workspace slot holds at most that (or the largest tensor), not a copy of the model. The number
+of chunks grows with the model's size, not with its number of tensors.
+
+On CUDA, torch runs a list op as one fused launch only where each pair of tensors matches in
+shape and dtype; a list of 0-dim per-tensor factors (1-bit LAMB's ratios and scalings) or of
+bool masks takes its per-tensor fallback, still one op for the dispatcher. Masks exist only
+on tensors with masked coordinates.
 """
 
 from __future__ import annotations

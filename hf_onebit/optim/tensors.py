@@ -1,22 +1,12 @@
-"""Tensor helpers every ``step()`` uses: writing in logical order, reducing in logical order,
-updating a low-precision parameter in fp32 with one rounding."""
+"""Tensor helpers of the per-tensor paths (1-bit LAMB on FSDP2 shards): reducing in logical
+order, updating a low-precision parameter in fp32 with one rounding. The list cores have their
+own (:mod:`hf_onebit.optim.foreach`)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-
-
-def write_flat_(dst: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """``dst[...] = flat`` with ``flat`` in ``dst``'s logical (row-major) order, whatever its strides.
-
-    ``dst.reshape(-1)`` of a channels_last or transposed tensor is a copy, so writing through it
-    would be lost; this writes into ``dst`` itself.
-    """
-    if dst.is_contiguous():
-        return dst.view(-1).copy_(flat)
-    return dst.copy_(flat.view(dst.shape))
 
 
 def logical(t: torch.Tensor) -> torch.Tensor:
