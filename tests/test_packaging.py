@@ -175,6 +175,15 @@ _WITHOUT_EXTRAS = textwrap.dedent("""
         except ImportError as exc:
             print("cuda:", what, "ImportError:", exc)
 
+    import hf_onebit.integrations as integrations
+    for what, pick in (("hf_onebit.OneBitTrainer", lambda: hf_onebit.OneBitTrainer),
+                       ("OneBitAccelerator()", lambda: integrations.OneBitAccelerator()),
+                       ("integrations.OneBitCallback", lambda: integrations.OneBitCallback)):
+        try:
+            print("lazy:", what, "imported", pick())
+        except ImportError as exc:
+            print("lazy:", what, "ImportError:", exc)
+
     try:
         main(["run", sys.argv[1], "--output_dir", "out", "--optim", "onebit_adam"])
         print("launcher: ran")
@@ -218,7 +227,15 @@ def test_cuda_tensors_without_triton_raise_instead_of_falling_back(without_extra
     """No CUDA needed: choosing the backend for a CUDA device imports the Triton kernels."""
     lines = without_extras["cuda"]
     assert [line.split(" ")[0] for line in lines] == ["get_backend(cuda)", "load_backend(triton)"]
-    assert all(" ImportError: " in line and "triton" in line.split("ImportError: ")[1] for line in lines), lines
+    assert all(" ImportError: " in line and "reinstall your CUDA build of torch" in line for line in lines), lines
+
+
+def test_the_hf_names_without_the_hf_extra_name_it(without_extras):
+    """``hf_onebit.OneBitTrainer``, the integrations' lazy names and ``OneBitAccelerator()`` (its
+    module imports without accelerate: its functions only need the objects) say which extra to install."""
+    lines = without_extras["lazy"]
+    assert len(lines) == 3, lines
+    assert all(" ImportError: " in line and "pip install 'hf-onebit[hf]'" in line for line in lines), lines
 
 
 # ------------------------------------------------------------------ the wheel, outside the checkout

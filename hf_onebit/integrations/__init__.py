@@ -39,7 +39,13 @@ def __getattr__(name):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    try:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("transformers", "accelerate"):
+            raise
+        raise ImportError(f"hf_onebit.{name} needs {exc.name}: pip install 'hf-onebit[hf]'") from exc
+    return getattr(imported, name)
 
 
 __all__ = list(_LAZY)

@@ -191,8 +191,11 @@ def attach(accelerator, model, optimizer) -> OneBitAccelerate:
 
 try:  # OneBitAccelerator needs accelerate; the functions above only need its objects
     from accelerate import Accelerator as _Accelerator
-except ImportError:  # pragma: no cover - accelerate is a dependency
-    _Accelerator = object  # type: ignore[assignment,misc]
+except ImportError:  # accelerate is in the `hf` extra
+
+    class _Accelerator:  # type: ignore[no-redef]
+        def __init__(self, *args, **kwargs) -> None:
+            raise ImportError("OneBitAccelerator needs accelerate: pip install 'hf-onebit[hf]'")
 
 
 class OneBitAccelerator(_Accelerator):  # type: ignore[misc,valid-type]

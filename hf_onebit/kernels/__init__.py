@@ -24,7 +24,18 @@ def load_backend(name: str) -> ModuleType:
     """Import backend ``name`` (one of :data:`BACKENDS`)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    return importlib.import_module(f"{__name__}.{name}")
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != "triton":
+            raise
+        # Never fall back to other kernels silently: the reference is ~100x slower on a GPU.
+        raise ImportError(
+            f"hf_onebit compresses CUDA tensors with Triton kernels, and triton cannot be imported ({exc})."
+            " CUDA wheels of torch install the Triton they pin: reinstall your CUDA build of torch, or"
+            " pip install the triton version `pip show torch` requires (3.4 or later); to run without it,"
+            f" {ENV_VAR}=reference (slow)"
+        ) from exc
 
 
 def get_backend(device: torch.device | str) -> ModuleType:
