@@ -281,7 +281,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def grads_in_order(self, init_state: Callable[[torch.Tensor], dict] | None = None, *, skip_empty: bool = False):
         """``(p, grad32, state, group)`` for every parameter with a gradient, in parameter order.
 
-        The prologue of every ``step()``: sparse gradients are refused here; ``grad32`` is
+        The per-tensor prologue (1-bit LAMB on FSDP2 shards; the list cores use
+        :func:`hf_onebit.optim.foreach.chunks`): sparse gradients are refused here; ``grad32`` is
         ``p.grad`` in fp32 (``p.grad`` itself when it is fp32); ``state`` is ``init_state(p)``
         (``None`` without one). ``skip_empty`` leaves out parameters with no elements.
         """
