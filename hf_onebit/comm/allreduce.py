@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from hf_onebit.comm.executor import executor_for
-from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
+from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, stage
 
 
 class MeanAllReduce:
@@ -26,7 +26,8 @@ class MeanAllReduce:
             # Divide first, as DDP's own reducer does: an fp16/bf16 bucket whose sum over ranks
             # overflows but whose mean does not stays finite (gloo has no ReduceOp.AVG).
             x.div_(self.world_size)
-            dist.all_reduce(x, group=self.group)
+            with stage("exchange"):
+                dist.all_reduce(x, group=self.group)
         moved = allreduce_bytes(x.numel() * x.element_size(), self.world_size)
         fp32 = allreduce_bytes(x.numel() * 4, self.world_size)
         rounds = 1 if self.world_size > 1 else 0

@@ -73,7 +73,7 @@ import torch.distributed as dist
 
 from hf_onebit.comm.compat import all_gather_into_tensor
 from hf_onebit.comm.executor import executor_for
-from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
+from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, stage
 from hf_onebit.kernels import get_backend, load_backend
 from hf_onebit.kernels.contract import WIDTHS, Bounds
 
@@ -253,24 +253,32 @@ class CompressedAllReduce:
             self.stats.record(self.bytes_per_call())
             return out
 
+        # (stage(...): the time of each part, for the logs and the profiler; see comm/stats.py)
         # Round 1: worker scales. Every rank learns every rank's scale (and its finiteness).
-        own = k.worker_scale(x, worker_error).reshape(1)
-        all_gather_into_tensor(self._scales, own, group=group)
-        k.worker_pack(x, worker_error, self._scales, self.rank, self._send_bits)
+        with stage("pack"):
+            own = k.worker_scale(x, worker_error).reshape(1)
+        with stage("exchange"):
+            all_gather_into_tensor(self._scales, own, group=group)
+        with stage("pack"):
+            k.worker_pack(x, worker_error, self._scales, self.rank, self._send_bits)
 
         # Round 2: chunk j of every rank's signs goes to rank j.
-        dist.all_to_all_single(self._recv_bits, self._send_bits, group=group)
-        recv = self._recv_bits.view(n, self.chunk // 8)
-        t = k.server_scale(recv, self._scales, server_error)
-        self._payload[:4].view(torch.float32).copy_(t.reshape(1))
-        k.server_pack(recv, self._scales, server_error, t, self._payload[4:])
+        with stage("exchange"):
+            dist.all_to_all_single(self._recv_bits, self._send_bits, group=group)
+        with stage("pack"):
+            recv = self._recv_bits.view(n, self.chunk // 8)
+            t = k.server_scale(recv, self._scales, server_error)
+            self._payload[:4].view(torch.float32).copy_(t.reshape(1))
+            k.server_pack(recv, self._scales, server_error, t, self._payload[4:])
 
         # Round 3: every server's scale and signs go to every rank.
-        all_gather_into_tensor(self._gathered, self._payload, group=group)
-        rows = self._gathered.view(n, 4 + self.chunk // 8)
-        self._gathered_scales.copy_(rows[:, :4])
-        self._gathered_bits.copy_(rows[:, 4:])
-        k.unpack_scaled(self._gathered_bits, self._gathered_scales.view(torch.float32).reshape(n), out.view(-1))
+        with stage("exchange"):
+            all_gather_into_tensor(self._gathered, self._payload, group=group)
+        with stage("unpack"):
+            rows = self._gathered.view(n, 4 + self.chunk // 8)
+            self._gathered_scales.copy_(rows[:, :4])
+            self._gathered_bits.copy_(rows[:, 4:])
+            k.unpack_scaled(self._gathered_bits, self._gathered_scales.view(torch.float32).reshape(n), out.view(-1))
 
         self.stats.record(self.bytes_per_call())
         return out
@@ -281,31 +289,38 @@ class CompressedAllReduce:
         bounds, local = self._bounds, self._local_bounds
 
         # Round 1: every rank's P piece scales.
-        own = k.worker_scale(x, worker_error, bounds=bounds)
-        all_gather_into_tensor(self._scales, own, group=group)
-        scales = self._scales.view(n, P)
-        # One non-finite scale anywhere poisons them all (a device op, no host sync), so no
-        # error buffer changes on any rank and the whole result is non-finite everywhere.
-        scales = torch.where(torch.isfinite(scales).all(), scales, torch.full_like(scales, float("nan")))
-        k.worker_pack(x, worker_error, scales, self.rank, self._send_bits, bounds=bounds)
+        with stage("pack"):
+            own = k.worker_scale(x, worker_error, bounds=bounds)
+        with stage("exchange"):
+            all_gather_into_tensor(self._scales, own, group=group)
+        with stage("pack"):
+            scales = self._scales.view(n, P)
+            # One non-finite scale anywhere poisons them all (a device op, no host sync), so no
+            # error buffer changes on any rank and the whole result is non-finite everywhere.
+            scales = torch.where(torch.isfinite(scales).all(), scales, torch.full_like(scales, float("nan")))
+            k.worker_pack(x, worker_error, scales, self.rank, self._send_bits, bounds=bounds)
 
         # Round 2: signs to their servers; this rank serves the pieces of its chunk.
-        dist.all_to_all_single(self._recv_bits, self._send_bits, group=group)
-        recv = self._recv_bits.view(n, self.chunk // 8)
-        lo, hi = self._chunk_pieces[self.rank]
-        chunk_scales = scales[:, lo:hi].contiguous()
-        t = k.server_scale(recv, chunk_scales, server_error, bounds=local)
+        with stage("exchange"):
+            dist.all_to_all_single(self._recv_bits, self._send_bits, group=group)
         head = 4 * self.max_chunk_pieces
-        self._payload[: 4 * (hi - lo)].view(torch.float32).copy_(t)
-        k.server_pack(recv, chunk_scales, server_error, t, self._payload[head:], bounds=local)
+        with stage("pack"):
+            recv = self._recv_bits.view(n, self.chunk // 8)
+            lo, hi = self._chunk_pieces[self.rank]
+            chunk_scales = scales[:, lo:hi].contiguous()
+            t = k.server_scale(recv, chunk_scales, server_error, bounds=local)
+            self._payload[: 4 * (hi - lo)].view(torch.float32).copy_(t)
+            k.server_pack(recv, chunk_scales, server_error, t, self._payload[head:], bounds=local)
 
         # Round 3: every server's piece scales and signs go to every rank.
-        all_gather_into_tensor(self._gathered, self._payload, group=group)
-        rows = self._gathered.view(n, head + self.chunk // 8)
-        self._gathered_scales.copy_(rows[:, :head])
-        self._gathered_bits.copy_(rows[:, head:])
-        server_scales = self._gathered_scales.view(torch.float32).reshape(-1)[self._gather_index]
-        k.unpack_scaled(self._gathered_bits, server_scales, out.view(-1), bounds=bounds)
+        with stage("exchange"):
+            all_gather_into_tensor(self._gathered, self._payload, group=group)
+        with stage("unpack"):
+            rows = self._gathered.view(n, head + self.chunk // 8)
+            self._gathered_scales.copy_(rows[:, :head])
+            self._gathered_bits.copy_(rows[:, head:])
+            server_scales = self._gathered_scales.view(torch.float32).reshape(-1)[self._gather_index]
+            k.unpack_scaled(self._gathered_bits, server_scales, out.view(-1), bounds=bounds)
 
     def _coded_buffers(self, width: int) -> dict[str, torch.Tensor]:
         """The b-bit exchange's work buffers for ``width`` (made once; :meth:`reset` frees them)."""
@@ -334,34 +349,41 @@ class CompressedAllReduce:
 
         # Round 1: every rank's scales (one, or one per piece); one non-finite scale anywhere
         # poisons them all, so no error buffer changes on any rank and the result is NaN everywhere.
-        own = k.qworker_scale(x, worker_error, width=width, bounds=bounds)
-        all_gather_into_tensor(self._scales, own.reshape(-1), group=group)
-        scales = self._scales.view(n, -1)
-        scales = torch.where(torch.isfinite(scales).all(), scales, torch.full_like(scales, float("nan")))
-        k.qworker_pack(x, worker_error, scales if pieces else scales.reshape(n), self.rank, bufs["send"],
-                       width=width, bounds=bounds)
+        with stage("pack"):
+            own = k.qworker_scale(x, worker_error, width=width, bounds=bounds)
+        with stage("exchange"):
+            all_gather_into_tensor(self._scales, own.reshape(-1), group=group)
+        with stage("pack"):
+            scales = self._scales.view(n, -1)
+            scales = torch.where(torch.isfinite(scales).all(), scales, torch.full_like(scales, float("nan")))
+            k.qworker_pack(x, worker_error, scales if pieces else scales.reshape(n), self.rank, bufs["send"],
+                           width=width, bounds=bounds)
 
         # Round 2: codes to their servers; this rank serves chunk `rank` (its pieces).
-        dist.all_to_all_single(bufs["recv"], bufs["send"], group=group)
-        recv = bufs["recv"].view(n, -1)
-        if pieces:
-            lo, hi = self._chunk_pieces[self.rank]
-            chunk_scales = scales[:, lo:hi].contiguous()
-        else:
-            lo, hi, chunk_scales = 0, 1, scales.reshape(n)
-        t = k.qserver_scale(recv, chunk_scales, server_error, width=width, bounds=local)
+        with stage("exchange"):
+            dist.all_to_all_single(bufs["recv"], bufs["send"], group=group)
         head = bufs["scales"].shape[1]
-        bufs["payload"][: 4 * (hi - lo)].view(torch.float32).copy_(t.reshape(-1))
-        k.qserver_pack(recv, chunk_scales, server_error, t, bufs["payload"][head:], width=width, bounds=local)
+        with stage("pack"):
+            recv = bufs["recv"].view(n, -1)
+            if pieces:
+                lo, hi = self._chunk_pieces[self.rank]
+                chunk_scales = scales[:, lo:hi].contiguous()
+            else:
+                lo, hi, chunk_scales = 0, 1, scales.reshape(n)
+            t = k.qserver_scale(recv, chunk_scales, server_error, width=width, bounds=local)
+            bufs["payload"][: 4 * (hi - lo)].view(torch.float32).copy_(t.reshape(-1))
+            k.qserver_pack(recv, chunk_scales, server_error, t, bufs["payload"][head:], width=width, bounds=local)
 
         # Round 3: every server's scales and codes go to every rank.
-        all_gather_into_tensor(bufs["gathered"], bufs["payload"], group=group)
-        rows = bufs["gathered"].view(n, -1)
-        bufs["scales"].copy_(rows[:, :head])
-        bufs["codes"].copy_(rows[:, head:])
-        gathered = bufs["scales"].view(torch.float32)
-        server_scales = gathered.reshape(-1)[self._gather_index] if pieces else gathered.reshape(n)
-        k.qunpack_scaled(bufs["codes"], server_scales, out.view(-1), width=width, bounds=bounds)
+        with stage("exchange"):
+            all_gather_into_tensor(bufs["gathered"], bufs["payload"], group=group)
+        with stage("unpack"):
+            rows = bufs["gathered"].view(n, -1)
+            bufs["scales"].copy_(rows[:, :head])
+            bufs["codes"].copy_(rows[:, head:])
+            gathered = bufs["scales"].view(torch.float32)
+            server_scales = gathered.reshape(-1)[self._gather_index] if pieces else gathered.reshape(n)
+            k.qunpack_scaled(bufs["codes"], server_scales, out.view(-1), width=width, bounds=bounds)
 
     def bytes_per_call(self, width: int = 1) -> CommRecord:
         """What one call at ``width`` bits per element sends and receives on this rank (see

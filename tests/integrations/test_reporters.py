@@ -18,7 +18,7 @@ require("tensorboard", "the event-file test reads TensorBoard's files (pip insta
 
 #: the keys every training log carries once something was sent (see hf_onebit.integrations.logs)
 NUMERIC = ("phase", "bytes_per_step", "bytes_sent", "compression_ratio", "ratio_vs_ddp",
-           "comm_ms", "exchange_wait_ms", "hidden_share")
+           "comm_ms", "compress_ms", "exchange_ms", "exchange_wait_ms", "hidden_share")
 TIME = ("comm_ms", "exchange_wait_ms", "hidden_share")
 
 
@@ -62,6 +62,9 @@ def test_tensorboard_event_file_holds_numeric_onebit_scalars_time_among_them(tmp
     for step in logged:
         comm, wait, hidden = (series(k)[step] for k in TIME)
         assert comm > 0 and 0 <= wait and 0 <= hidden <= 1, (step, comm, wait, hidden)
+        # the exchange marks its stages (comm/compressed.py): kernels and collectives are parts of the jobs' time
+        compress, exchange = series("compress_ms")[step], series("exchange_ms")[step]
+        assert compress > 0 and exchange > 0 and compress + exchange <= comm * 1.001, (step, compress, exchange, comm)
 
     # the console: the phase change and the summary, once each (rank 0)
     assert res.output.count(f"step {freeze} done, entering phase 'compression'") == 1, res.output[-3000:]
