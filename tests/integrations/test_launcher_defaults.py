@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from hf_onebit.integrations.logs import PHASE_CODES
 from tests.integrations.launch import REPO, accelerate_launch, base_env, run
 
 
@@ -353,7 +354,7 @@ def test_logged_loss_of_adamw_and_onebit_adam_warmup_agree_on_two_processes(tmp_
     assert [h["step"] for h in adamw] == [h["step"] for h in onebit] == [1, 2, 3, 4, 5, 6]
     assert adamw[0]["loss"] < 0.8  # a plain mean (ln 2 = 0.69 at the start), not multiplied by the 2 processes
     for a, b in zip(adamw, onebit):
-        assert b["onebit/phase"] == "warmup"
+        assert b["onebit/phase"] == PHASE_CODES["warmup"]
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), (a, b)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-3), (a, b)
 
