@@ -2,7 +2,7 @@
 
     python benchmarks/network.py --rates 100mbit 1gbit unlimited [--world-size 2] [--steps 40]
                                  [--freeze 8] [--repeats 1] [--json results.json] [--plot-dir docs/img]
-    (as root; see docs/benchmarks.md for the results and every option)
+    (as root; docs/results.md has the results, --help every option)
 
 What it does
 ------------
@@ -24,8 +24,7 @@ netns: it says so and runs once on the host's loopback, unthrottled.
 
 All ranks share one loopback, so RATE is the *aggregate* of every rank's traffic: with 2 ranks
 each sending B bytes an exchange takes 2B/RATE, i.e. a 100mbit loopback behaves like a link of
-50 Mbit/s per rank in each direction. The cost model in docs/when-compression-pays.md uses
-exactly that (bytes of all ranks / RATE).
+50 Mbit/s per rank in each direction (a time model of the exchange uses bytes of all ranks / RATE).
 
 Model and task (``--model``)
 ----------------------------

@@ -1,7 +1,7 @@
 """Two emulated nodes of two ranks: the exchange by node (hierarchical 1-bit Adam) against the flat ones.
 
     python benchmarks/two_nodes.py --rates 100mbit 1gbit [--steps 20] [--freeze 4] [--json two_nodes.json] [--plot two_nodes.png]
-    (as root; see docs/benchmarks.md, "Two nodes: hierarchical 1-bit Adam")
+    (as root; the options: --help)
 
 What it does
 ------------

@@ -39,7 +39,7 @@ rank's shards for the directions held meanwhile).
 
 Checkpoints: :mod:`hf_onebit.sharded_checkpoint` writes the optimizer state as a distributed
 checkpoint, finding each local shard's DTensor and name through :class:`FSDPHookState`'s
-``owners`` and ``names``. Not built yet (``docs/limitations.md``): a loss scaler, FSDP's CPU offload and
+``owners`` and ``names``. Not built yet (user guide: API reference, "With FSDP2"): a loss scaler, FSDP's CPU offload and
 fp16 reduction, Shard(dim > 0) placements.
 """
 

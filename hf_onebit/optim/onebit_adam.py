@@ -96,8 +96,8 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             dividing by ``max(sqrt(v̂), |m̂|/update_clip)`` (``None``: the spec's update). Under Adam
             ``|m̂| <= sqrt(v̂)`` nearly always holds, as both average the same gradients; with the
             variance frozen early it stops holding where gradients grow later, and 1-bit momentum
-            (every coordinate ``±scale``) breaks it wherever ``v̂`` is small. Measured
-            (docs/benchmarks.md): with the freeze at 20% 1-bit Adam ended 35% above AdamW's eval
+            (every coordinate ``±scale``) breaks it wherever ``v̂`` is small. Measured (a
+            from-scratch MLM run, at the former full-precision warmup): with the freeze at 20% 1-bit Adam ended 35% above AdamW's eval
             loss without the bound, and so did *uncompressed* Adam with the same frozen variance
             (+37%), so the frozen variance is the cause; with ``update_clip=1`` the compressed run
             ended at AdamW's loss. Default ``1.0`` (``defaults="paper"``: ``None``).

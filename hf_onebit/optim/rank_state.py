@@ -49,7 +49,8 @@ def load(opt: OneBitOptimizer, state: dict) -> None:
     if state["world_size"] != opt.world_size:
         raise ValueError(
             f"per-rank compression state was saved with {state['world_size']} ranks, this run has"
-            f" {opt.world_size}; see docs on resuming with another world size"
+            f" {opt.world_size}: resume with {state['world_size']} ranks, or start the per-rank state afresh with"
+            " load_rank_state(..., on_mismatch='reset') (user guide: API reference, 'Per-rank state')"
         )
     saved = state.get("nodes")  # absent in files from before the exchange by node: flat
     if saved != node_layout(opt):
@@ -57,7 +58,8 @@ def load(opt: OneBitOptimizer, state: dict) -> None:
             return "the flat exchange" if layout is None else f"the exchange by node ({layout[0]} nodes of {layout[1]} ranks)"
         raise ValueError(
             f"per-rank compression state was saved with {describe(saved)}, this run uses {describe(node_layout(opt))};"
-            " its error buffers belong to other buffers (see docs on resuming with another world size)"
+            " its error buffers belong to other buffers: resume with the same node layout (LOCAL_WORLD_SIZE, hierarchical),"
+            " or start the per-rank state afresh with on_mismatch='reset' (user guide: API reference, 'Per-rank state')"
         )
     total = state.get("comm_total")
     if total:

