@@ -68,7 +68,8 @@ def main():
                 optimizer.zero_grad()
         entries = onebit.log_entries()
         if step % 5 == 0 or step == start + 1:
-            accelerator.print(f"step {step:3d}  loss {loss.item():.4f}  phase {entries['onebit/phase']:<11}"
+            # the log entries are numbers for reporters (onebit/phase 0 or 1); the console shows the name
+            accelerator.print(f"step {step:3d}  loss {loss.item():.4f}  phase {onebit.optimizer.phase():<11}"
                               f"  sent {entries.get('onebit/bytes_per_step', 0) / 1e3:6.1f} kB/step")
         if step == args.save_at:
             accelerator.save_state(os.path.join(args.out, "state"))
