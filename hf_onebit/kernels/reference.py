@@ -462,7 +462,13 @@ def vote_threshold(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: f
     float32 loop reproduces it bitwise: that is what the fast backends do, in one pass.
     """
     contract.check_vote(m, b, g, m_out, b_out, theta)
-    tmp = torch.empty_like(g)
+    vote_threshold_ops(m, b, g, beta=beta, eps=eps, m_out=m_out, b_out=b_out, theta=theta, tmp=torch.empty_like(g))
+
+
+def vote_threshold_ops(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
+                       m_out: torch.Tensor, b_out: torch.Tensor, theta: torch.Tensor, tmp: torch.Tensor) -> None:
+    """:func:`vote_threshold`'s torch operations, unchecked, with ``tmp`` (as long as ``g``) as
+    scratch: also what BinSGDM runs on tensors the kernels do not take (strided, other dtypes)."""
     torch.mul(g, 1.0 - beta, out=tmp)
     torch.mul(m, beta, out=m_out)
     m_out.add_(tmp)

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from hf_onebit.kernels import get_backend
+from hf_onebit.kernels import reference
 
 
 def vote_threshold_(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
@@ -38,18 +39,7 @@ def vote_threshold_(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: 
     if all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
         get_backend(m.device).vote_threshold(m, b, g, beta=beta, eps=eps, m_out=m_out, b_out=b_out, theta=theta)
         return
-    torch.mul(g, 1.0 - beta, out=tmp)
-    torch.mul(m, beta, out=m_out)
-    m_out.add_(tmp)
-    torch.abs(g, out=tmp)
-    tmp.mul_(1.0 - beta)
-    torch.mul(b, beta, out=b_out)
-    b_out.add_(tmp)
-    torch.add(b_out, eps, out=theta)
-    torch.div(m_out, theta, out=theta)
-    if eps == 0.0:  # 0/0 where the coordinate never had a gradient: z = 0 (|m| <= b = 0)
-        theta.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-    theta.add_(1.0).mul_(0.5)
+    reference.vote_threshold_ops(m, b, g, beta=beta, eps=eps, m_out=m_out, b_out=b_out, theta=theta, tmp=tmp)
 
 
 def vote_update_foreach_(params: list, qs: list, *, lr: float, weight_decay: float, q32: list | None = None,
