@@ -25,25 +25,16 @@ from hf_onebit.sharded_checkpoint import load_sharded, save_sharded
 __version__ = "0.1.0.dev0"
 
 # Imported on first access (module __getattr__, PEP 562): transformers is heavy and optional here.
-_LAZY = {
-    "OneBitTrainer": "hf_onebit.integrations.trainer",
-    "OneBitTrainingArguments": "hf_onebit.integrations.trainer",
-}
+# hf_onebit.integrations resolves them (and names the extra to install when it is missing).
+_LAZY = ("OneBitTrainer", "OneBitTrainingArguments")
 
 
 def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+    from hf_onebit import integrations
 
-    try:
-        imported = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("transformers", "accelerate"):
-            raise
-        raise ImportError(f"hf_onebit.{name} needs {exc.name}: pip install 'hf-onebit[hf]'") from exc
-    value = getattr(imported, name)
+    value = getattr(integrations, name)
     globals()[name] = value
     return value
 
