@@ -30,6 +30,17 @@ class FixedGradModel(torch.nn.Module):
 LATE_FROM = 5
 
 
+def backward_and_step(loss: torch.Tensor, opt, scaler=None) -> None:
+    """``loss.backward(); opt.step()``, or the same through a ``GradScaler``."""
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
 def fixed_grads(step: int, rank: int, tiny: bool = False, late: bool = False) -> list[torch.Tensor]:
     """Gradient of every parameter on ``rank`` at ``step`` (1-based); rank-dependent and varied.
 

@@ -19,65 +19,19 @@ hook, on any thread) and ``step()``:
 
 from __future__ import annotations
 
-import functools
 import os
-import sys
-import threading
 
 import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.optim.harness import backward_and_step
+from tests.optim.test_host_syncs import SyncWatch
 
-CONVERSIONS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy", "cpu")
 #: one-time setup: the draws' table of each layout, the vote packing's weights made once per device
 TABLE = "kernels/triton.py:vote_uniform_table torch.tensor"
 ONE_TIME = {TABLE, "kernels/reference.py:_weights torch.tensor"}
 STEPS = 5
-
-
-class _Watch:
-    """Host conversions made by hf_onebit code (outside Triton's interpreter) while ``on``."""
-
-    def __init__(self) -> None:
-        import hf_onebit
-        import triton
-
-        self.root = os.path.dirname(os.path.abspath(hf_onebit.__file__)) + os.sep
-        self.triton = os.path.dirname(os.path.abspath(triton.__file__)) + os.sep
-        self.on = False
-        self.calls: list[str] = []
-        self.lock = threading.Lock()
-        for name in CONVERSIONS:
-            setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
-        torch.tensor = self._wrap("torch.tensor", torch.tensor, method=False)
-
-    def _wrap(self, name, original, method=True):
-        @functools.wraps(original)
-        def counted(*args, **kwargs):
-            if self.on and (not method or args[0].numel() > 0):
-                where = self._culprit(sys._getframe(1))
-                if where is not None:
-                    with self.lock:
-                        self.calls.append(f"{where} {name}")
-            return original(*args, **kwargs)
-
-        return counted
-
-    def _culprit(self, frame) -> str | None:
-        while frame is not None:
-            path = frame.f_code.co_filename
-            if path.startswith(self.triton):  # the interpreter's own work: absent on a GPU
-                return None
-            if path.startswith(self.root):
-                return f"{path[len(self.root):].replace(os.sep, '/')}:{frame.f_code.co_name}"
-            frame = frame.f_back
-        return None
-
-    def take(self) -> list[str]:
-        with self.lock:
-            calls, self.calls = self.calls, []
-        return calls
 
 
 def _train(rank, world_size, case):
@@ -86,7 +40,11 @@ def _train(rank, world_size, case):
 
     from tests.op_counts import Stack
 
-    watch = _Watch()
+    import triton
+
+    # exempt nothing; only Triton's interpreter (absent on a GPU) reads on the host for us
+    watch = SyncWatch(exempt=(), ignored_roots=(os.path.dirname(os.path.abspath(triton.__file__)) + os.sep,))
+    watch.install()
     dtype = torch.bfloat16 if case == "bf16" else torch.float32
     model = Stack(6).to(dtype)
     opt = hf_onebit.BinSGDM(model.parameters(), lr=1e-2, check_finite=False)
@@ -97,19 +55,7 @@ def _train(rank, world_size, case):
     calls = []
     for _ in range(STEPS):
         loss = ddp(x).float().square().mean()
-        watch.take()
-        watch.on = True
-        try:
-            if scaler is None:
-                loss.backward()
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-        finally:
-            watch.on = False
-        calls.append(watch.take())
+        calls.append(watch.during(backward_and_step, loss, opt, scaler))
         opt.zero_grad(set_to_none=True)
     assert opt.steps_done == STEPS
     return calls

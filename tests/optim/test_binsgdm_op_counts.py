@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.optim.harness import backward_and_step
 
 SIZES = (20, 200)
 CASES = ("fp32", "bf16", "fp32-scaler")
@@ -72,14 +73,7 @@ def _count(rank: int, world_size: int, case: str, tensors: int) -> dict:
     state.reduce, opt.step = counted_reduce, counted_step
     for i in range(4):  # steps 1-3 build the layouts (DDP's first iteration is one bucket); step 4 is counted
         watch[0] = i == 3
-        loss = ddp(x).square().mean()
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        backward_and_step(ddp(x).square().mean(), opt, scaler)
         opt.zero_grad()
     assert opt.steps_done == 4 and calls[0] >= 1
     return {"step": step.total, "hook": hook.total / calls[0], "hook_calls": calls[0], "adamw": adamw_step.total,

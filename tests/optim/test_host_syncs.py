@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.optim.harness import backward_and_step
 
 #: ``torch.Tensor`` methods that read values on the host.
 CONVERSIONS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy", "cpu")
@@ -54,12 +55,18 @@ FINITE_CHECK = "optim/guards.py:_all_finite"
 
 
 class SyncWatch:
-    """Counts host conversions made by hf_onebit code while :meth:`watch` is on (any thread)."""
+    """Counts host conversions made by hf_onebit code while :meth:`watch` is on (any thread).
 
-    def __init__(self) -> None:
+    ``exempt``: (file, function, conversion) entries that are host-side by construction;
+    ``ignored_roots``: folders whose frames make a call not ours (Triton's interpreter, which
+    reads memory on the host only because it runs on CPU)."""
+
+    def __init__(self, exempt=EXEMPT, ignored_roots: tuple = ()) -> None:
         import hf_onebit
 
         self.root = os.path.dirname(os.path.abspath(hf_onebit.__file__)) + os.sep
+        self.exempt = exempt
+        self.ignored_roots = tuple(ignored_roots)
         self.on = False
         self.calls: list[str] = []
         self._lock = threading.Lock()
@@ -85,10 +92,12 @@ class SyncWatch:
         """``file:function`` of the innermost hf_onebit frame, or None (not ours, or exempt)."""
         while frame is not None:
             path = frame.f_code.co_filename
+            if self.ignored_roots and path.startswith(self.ignored_roots):
+                return None
             if path.startswith(self.root):
                 rel = path[len(self.root):].replace(os.sep, "/")
                 func = frame.f_code.co_name
-                for file, f, conv in EXEMPT:
+                for file, f, conv in self.exempt:
                     if rel == file and f in ("*", func) and conv in ("*", name):
                         return None
                 return f"{rel}:{func}"
@@ -99,6 +108,16 @@ class SyncWatch:
         with self._lock:
             calls, self.calls = self.calls, []
         return calls
+
+    def during(self, fn, *args) -> list[str]:
+        """The calls made while ``fn(*args)`` runs (and only those)."""
+        self.take()
+        self.on = True
+        try:
+            fn(*args)
+        finally:
+            self.on = False
+        return self.take()
 
 
 def _train(watch, rank, opt_name, kwargs, steps, scaler, tensors=None, defer=False):
@@ -136,19 +155,7 @@ def _train_watched(watch, rank, opt_name, kwargs, steps, scaler, tensors):
             loss = ddp(fixed_grads(step, rank))
         else:
             loss = ddp(torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))).sum()
-        watch.take()
-        watch.on = True
-        try:
-            if grad_scaler is None:
-                loss.backward()
-                opt.step()
-            else:
-                grad_scaler.scale(loss).backward()
-                grad_scaler.step(opt)
-                grad_scaler.update()
-        finally:
-            watch.on = False
-        records.append({"plan": plan, "calls": watch.take()})
+        records.append({"plan": plan, "calls": watch.during(backward_and_step, loss, opt, grad_scaler)})
         opt.zero_grad(set_to_none=True)
         opt.state_dict()  # not watched: checkpoints may read values
     assert opt.steps_done == steps, "a step was skipped: the test's gradients must stay finite"
