@@ -117,8 +117,10 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         seed: seed of the random votes (together with the rank, the node, the step and the
             parameter index, see the module docstring). Saved in ``state_dict()`` and restored
             from it, so a resumed run continues the same random streams.
-        check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
-            any state changes (the step's one host sync, see ``optim.guards.check_finite_grads``).
+        check_finite: without a loss scaler, refuse a non-finite gradient (``FloatingPointError``);
+            no parameter, ``m`` or ``b`` changes. CPU tensors are checked before the step; on a
+            GPU the step is masked on the device and the error comes at the next ``step()``, with
+            no host sync (see ``optim.guards.check_finite_grads``).
         defaults: ``"library"`` or ``"paper"``, as for the other optimizers
             (:mod:`hf_onebit.optim.defaults`); BinSGDM's library defaults are the paper's.
     """
@@ -237,6 +239,11 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         return buffer
 
     # ---------------------------------------------------------------- step
+    #: A step whose vote average is not finite (some rank's gradient was not) leaves ``m, b`` and
+    #: the parameters as they were (see :func:`~hf_onebit.optim.guards.check_finite_grads`, which
+    #: then needs no host sync on a GPU): the commit keeps the current momenta, the update reads zeros.
+    masks_non_finite_steps = True
+
     @torch.no_grad()
     def step(self, closure=None):
         loss, t, plan = self.begin_step(closure)
@@ -255,8 +262,11 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
             qs = {id(p): p.grad for _, ps in per_group for p in ps}  # q̄ (exact: multiples of 1/n)
         else:  # one process: the algorithm with n = 1, the local vote
             layouts, qs = self._local_votes(t, [(index[id(p)], p, p.grad) for _, ps in per_group for p in ps])
+        ok = self.finite_ok  # a device flag: mask this step with it (None: nothing to mask)
+        if ok is not None:
+            qs = self._sanitized_votes(layouts, [p for _, ps in per_group for p in ps], qs, index, ok)
         for layout in layouts:
-            layout.commit()
+            layout.commit(ok)
         for group, ps in per_group:
             if ps:
                 grads = [qs[id(p)] for p in ps]
@@ -265,9 +275,29 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
                 # free between the hook (or the local vote) and the next hook
                 q32 = None if all(q.dtype == torch.float32 for q in grads) else self._fp32_views(idxs, "scratch")
                 work = None if all(p.dtype == torch.float32 for p in ps) else self._fp32_views(idxs, "uniform")
-                vote_update_foreach_(ps, grads, lr=group["lr"], weight_decay=group["weight_decay"], q32=q32, work=work)
+                vote_update_foreach_(ps, grads, lr=group["lr"], weight_decay=group["weight_decay"], q32=q32, work=work,
+                                     ok=ok)
         self._after_step()
         return loss
+
+    def _sanitized_votes(self, layouts: list[VoteLayout], params: list, qs: dict, index: dict, ok: torch.Tensor) -> dict:
+        """``id(p) -> q`` as fp32 views of the layouts' ``scratch``, zero where ``ok`` is False.
+
+        On a step some rank found non-finite the vote average is NaN everywhere (see the module
+        docstring), and ``NaN·0`` is NaN: the votes are copied into the flat scratch (a no-op for
+        the single process's own votes, which are there already) and filled with zero, a constant
+        number of operations per layout, whatever the number of tensors."""
+        for layout in layouts:
+            layout.ensure_scratch()
+        views = self._fp32_views([index[id(p)] for p in params], "scratch")
+        src = [qs[id(p)] for p in params]
+        moved = [(v, q) for v, q in zip(views, src) if v is not q]
+        if moved:
+            torch._foreach_copy_([v for v, _ in moved], [q for _, q in moved])
+        bad = ok.logical_not()
+        for layout in layouts:
+            layout.scratch.masked_fill_(bad, 0.0)
+        return {id(p): v for p, v in zip(params, views)}
 
     def _voted_layouts(self, t: int, idxs: list[int]) -> list[VoteLayout]:
         """The layouts holding the parameters ``idxs`` (those with a gradient), each voted for step

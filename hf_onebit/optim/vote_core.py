@@ -43,7 +43,7 @@ def vote_threshold_(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: 
 
 
 def vote_update_foreach_(params: list, qs: list, *, lr: float, weight_decay: float, q32: list | None = None,
-                         work: list | None = None) -> None:
+                         work: list | None = None, ok: torch.Tensor | None = None) -> None:
     """``p = p·(1 - lr·wd) - lr·q`` (decoupled decay, AdamW order) for lists, in fp32, one rounding.
 
     Bitwise what ``step = q.float()·lr; w = p.float(); w.mul_(1 - lr·wd); w.sub_(step);
@@ -53,7 +53,9 @@ def vote_update_foreach_(params: list, qs: list, *, lr: float, weight_decay: flo
     * ``params`` that are not fp32 are updated in ``work`` (fp32 tensors of their shapes) and
       written back, so a bf16/fp16 parameter is rounded once per step.
 
-    ``q32`` and ``work`` are only read where the dtype needs them (``None`` elsewhere).
+    ``q32`` and ``work`` are only read where the dtype needs them (``None`` elsewhere). With ``ok``
+    (a 0-dim device bool; ``qs`` finite, zero where it is False) the decay factor becomes 1 where
+    it is False, so the parameters stay exactly as they were (``p·1 - 0 = p``).
     """
     if not params:
         return
@@ -72,7 +74,8 @@ def vote_update_foreach_(params: list, qs: list, *, lr: float, weight_decay: flo
         torch._foreach_copy_([work[i] for i in low], [params[i] for i in low])
         targets = [p if p.dtype == torch.float32 else work[i] for i, p in enumerate(params)]
     if weight_decay:
-        torch._foreach_mul_(targets, 1.0 - lr * weight_decay)
+        decay = 1.0 - lr * weight_decay
+        torch._foreach_mul_(targets, decay if ok is None else torch.where(ok, decay, 1.0))
     torch._foreach_sub_(targets, steps)
     if targets is not params:
         torch._foreach_copy_([params[i] for i in low], [work[i] for i in low])
@@ -164,8 +167,13 @@ class VoteLayout:
             m_dst.copy_(m)
             b_dst.copy_(b)
 
-    def commit(self) -> None:
-        """Make the pending ``m, b`` current: a swap of the two copies, no data moves."""
+    def commit(self, ok: torch.Tensor | None = None) -> None:
+        """Make the pending ``m, b`` current: a swap of the two copies, no data moves. With ``ok``
+        (a 0-dim device bool, False for a step masked on the device) the pending copies first
+        take the current values where it is False, so the step leaves ``m, b`` as they were."""
+        if ok is not None:
+            for new, old in ((self.nxt.m, self.cur.m), (self.nxt.b, self.cur.b)):
+                torch.where(ok, new, old, out=new)
         self.cur, self.nxt = self.nxt, self.cur
         for it, m, b in zip(self.items, self.cur.m_views, self.cur.b_views):
             it.state["momentum"], it.state["abs_momentum"] = m, b

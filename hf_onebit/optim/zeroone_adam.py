@@ -89,9 +89,12 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
             group to be the whole world; ``None``: by node exactly when those hold; ``False``
             (default): the spec's exchange among all ranks. Full-precision variance steps stay flat; b-bit ones go by node too.
-        check_finite: without a loss scaler, refuse a non-finite gradient in ``step()`` before
-            any state changes (the step's one host sync on a GPU: 0/1 Adam does not mask a step
-            on the device, its ``λ`` lives on the host; see ``optim.guards.check_finite_grads``).
+        check_finite: without a loss scaler, refuse a non-finite gradient (``FloatingPointError``).
+            CPU tensors are checked before the step, which then changes nothing; on a GPU the
+            step is masked on the device and the error comes at the next ``step()``, with no host
+            sync (see ``optim.guards.check_finite_grads``). A masked step changes no tensor of
+            its own; the counters and ``λ`` (a host float) move on, and in the local phase a sync
+            that falls on it still runs with the other ranks (this rank adds no update to it).
         update_clip: on every step that does not update the variance (1-bit gradient steps and
             local steps) divide by ``max(sqrt(v̂), |m|/update_clip) + eps``, so no coordinate
             moves by more than ``update_clip·lr`` (plus weight decay); at a sync the move
@@ -313,8 +316,10 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
     # temporaries are the results of out-of-place list ops (one op each, where a workspace copy
     # would add one); workspace slot 3 holds fp32 copies of low-precision parameters.
     def _deltas(self, chunk: Chunk, m: list[torch.Tensor], denom: list[torch.Tensor], lr: float,
-                wd: float) -> list[torch.Tensor]:
-        """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``."""
+                wd: float, ok: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """``Δ = lr·(m/denom + wd·p)`` (fp32) with ``denom = sqrt(v)+eps``. With ``ok`` (the device
+        flag of a masked step) the factor is ``lr`` or 0: exactly ``Δ``, or exactly zero (``Δ``
+        comes from finite state and sanitized gradients)."""
         delta = torch._foreach_div(m, denom)
         if wd:
             if chunk.fp32:
@@ -323,12 +328,13 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                 pf = chunk.scratch(3)
                 torch._foreach_copy_(pf, chunk.params)
             torch._foreach_add_(delta, pf, alpha=wd)
-        torch._foreach_mul_(delta, lr)
+        torch._foreach_mul_(delta, lr if ok is None else torch.where(ok, lr, 0.0))
         return delta
 
     def _update(self, chunk: Chunk, delta: list[torch.Tensor]) -> None:
         """``p -= Δ``, rounded once."""
         chunk.update_params_(lambda w: torch._foreach_sub_(w, delta), slot=3)
+
 
     def _roots(self, chunk: Chunk) -> list[torch.Tensor]:
         """``sqrt(v̂) = sqrt(v)/sqrt(1 - β2**var_updates)`` with ``bias_correction``, else ``sqrt(v)``
@@ -354,6 +360,11 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         torch._foreach_add_(denom, chunk.group["eps"])
         return denom
 
+    #: A step whose gradients are not all finite leaves every state tensor as it was (see
+    #: :func:`~hf_onebit.optim.guards.check_finite_grads`, which then needs no host sync on a GPU):
+    #: gradients read as zero, the decays become 1, and each update ``Δ`` is scaled by 0, not ``lr``.
+    masks_non_finite_steps = True
+
     @torch.no_grad()
     def step(self, closure=None):
         loss, t, plan = self.begin_step(closure)
@@ -366,31 +377,34 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             # leaves a zero gradient at exactly zero, 1 bit gives it ±scale)
             self.freeze_masks(keep_tracking=self.refresh_mask)
             self.masks_frozen = True
+        ok = self.finite_ok  # a device flag: mask this step's update with it (None: nothing to mask)
         if t <= self.var_freeze_step:
-            self._variance_phase_step(t, plan)
+            self._variance_phase_step(t, plan, ok)
             self.observe_variance(t, self.var_updates)  # an automatic freeze may choose this step
         else:
-            self._local_phase_step(t, plan)
+            self._local_phase_step(t, plan, ok)
         self._after_step()
         return loss
 
-    def _variance_phase_step(self, t: int, plan: Plan) -> None:
+    def _variance_phase_step(self, t: int, plan: Plan, ok: torch.Tensor | None) -> None:
         variance_step = plan in (Plan.ALLREDUCE, Plan.QUANTIZE_GRADIENT)
         if variance_step:
             self.var_updates += 1  # counts this step's update, which the loop below applies first
         for chunk in chunks(self, self._init_state):
-            group, grads = chunk.group, chunk.grads
+            group = chunk.group
+            # masked: gradients zero where not ok, decays 1, updates ·0 (see masks_non_finite_steps)
+            grads = chunk.grads if ok is None else chunk.sanitized_grads(ok)
             beta1, beta2 = group["betas"]
             m = chunk.state("exp_avg")
             if variance_step:
                 v = chunk.state("exp_avg_sq")
-                torch._foreach_mul_(v, beta2)
+                torch._foreach_mul_(v, beta2 if ok is None else torch.where(ok, beta2, 1.0))
                 torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
                 if self.refresh_mask and self.masks_frozen:
                     for state in chunk.states:  # only tensors that still have a mask: one-time releases
                         if state.get("mask_refresh"):
                             self.unmask_seen(state, group)  # before m takes this gradient
-            torch._foreach_mul_(m, beta1)
+            torch._foreach_mul_(m, beta1 if ok is None else torch.where(ok, beta1, 1.0))
             torch._foreach_add_(m, grads, alpha=1 - beta1)
             self.apply_masks_(chunk, m)
             # momentum_correction: m̂ = m/c1 as Adam's; m/(c1·(max(sqrt(v̂), |m̂|/clip) + eps)) = m̂/(...)
@@ -398,18 +412,20 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             denom = self._denominators(chunk, None if variance_step else m, c1)
             if self.momentum_correction:
                 torch._foreach_mul_(denom, c1)
-            self._update(chunk, self._deltas(chunk, m, denom, group["lr"], group["weight_decay"]))
+            self._update(chunk, self._deltas(chunk, m, denom, group["lr"], group["weight_decay"], ok))
         if variance_step:
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:
                 self.var_counter = 0
                 self.var_interval *= 2
 
-    def _local_phase_step(self, t: int, plan: Plan) -> None:
+    def _local_phase_step(self, t: int, plan: Plan, ok: torch.Tensor | None) -> None:
         if t == self.var_freeze_step + 1:
             self._enter_local_phase()
         clip = self.update_clip is not None
         for chunk in chunks(self, self._init_local_state):
+            if ok is not None:  # masked: this rank's gradients read as zero (see masks_non_finite_steps)
+                chunk.grads = chunk.sanitized_grads(ok)
             # A sync right after this one local step (λ = lr): its bound c·λ is this step's bound,
             # so without clip_synced_momentum u takes the unclipped step (a clipped u clips the
             # momentum the sync restores, u ⊙ (sqrt(v̂)+eps)/λ) and the sync's clip bounds where
@@ -419,7 +435,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                     for s in chunk.states]
             for is_lone in sorted(set(lone)):  # usually one pass: every tensor alike
                 part = chunk if len(set(lone)) == 1 else chunk.subset([i for i, x in enumerate(lone) if x == is_lone])
-                self._local_update(part, clip, is_lone)
+                self._local_update(part, clip, is_lone, ok)
         if plan is Plan.SYNC_AFTER_STEP:
             self._sync()
         self.local_counter += 1
@@ -427,20 +443,20 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             self.local_counter = 0
             self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
 
-    def _local_update(self, chunk: Chunk, clip: bool, lone: bool) -> None:
+    def _local_update(self, chunk: Chunk, clip: bool, lone: bool, ok: torch.Tensor | None) -> None:
         group = chunk.group
         beta1 = group["betas"][0]
         lr, wd = group["lr"], group["weight_decay"]
         m = chunk.state("exp_avg")
-        torch._foreach_mul_(m, beta1)
+        torch._foreach_mul_(m, beta1 if ok is None else torch.where(ok, beta1, 1.0))
         torch._foreach_add_(m, chunk.grads, alpha=1 - beta1)
         self.apply_masks_(chunk, m)
-        delta = self._deltas(chunk, m, self._denominators(chunk, m if clip and not lone else None), lr, wd)
+        delta = self._deltas(chunk, m, self._denominators(chunk, m if clip and not lone else None), lr, wd, ok)
         torch._foreach_sub_(chunk.state("momentum_accumulator"), delta)
         if clip and lone:
-            delta = self._deltas(chunk, m, self._denominators(chunk, m), lr, wd)
+            delta = self._deltas(chunk, m, self._denominators(chunk, m), lr, wd, ok)
         self._update(chunk, delta)
-        for state in chunk.states:
+        for state in chunk.states:  # on the host, so a masked step counts too (λ is documented so)
             state["lr_sum"] += lr
 
     def _enter_local_phase(self) -> None:

@@ -11,10 +11,11 @@ hook, on any thread) and ``step()``:
   and launched without any);
 * steps 1 and 2 may build layouts (DDP rebuilds its buckets after its first iteration): the
   allowed conversions are the draws' table, ``kernels/triton.py:vote_uniform_table`` (one
-  host-to-device copy per layout), and the vote packing's weights (once per device);
-* later steps: none at all, bf16 without a loss scaler (``check_finite=False``: the finiteness
-  check is the deliberate sync of ``optim/guards.py``, watched in test_host_syncs.py) and fp32
-  with a ``GradScaler``.
+  host-to-device copy per layout), the vote packing's weights (once per device) and the pinned
+  host byte that the finiteness verdicts land in (once);
+* later steps: none at all, bf16 without a loss scaler (with the finiteness check of a GPU, which
+  masks the step with a device flag and reads it a step later from pinned memory, forced here
+  on CPU) and fp32 with a ``GradScaler``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tests.optim.test_host_syncs import SyncWatch
 
 #: one-time setup: the draws' table of each layout, the vote packing's weights made once per device
 TABLE = "kernels/triton.py:vote_uniform_table torch.tensor"
-ONE_TIME = {TABLE, "kernels/reference.py:_weights torch.tensor"}
+ONE_TIME = {TABLE, "kernels/reference.py:_weights torch.tensor", "optim/guards.py:_pinned_flag numpy"}
 STEPS = 5
 
 
@@ -38,16 +39,18 @@ def _train(rank, world_size, case):
     import hf_onebit
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from hf_onebit.optim import guards
     from tests.op_counts import Stack
 
     import triton
 
+    guards.DEFERRED_DEVICES = {"cpu", "cuda"}  # a fresh process: the GPU's check, masked on the device
     # exempt nothing; only Triton's interpreter (absent on a GPU) reads on the host for us
     watch = SyncWatch(exempt=(), ignored_roots=(os.path.dirname(os.path.abspath(triton.__file__)) + os.sep,))
     watch.install()
     dtype = torch.bfloat16 if case == "bf16" else torch.float32
     model = Stack(6).to(dtype)
-    opt = hf_onebit.BinSGDM(model.parameters(), lr=1e-2, check_finite=False)
+    opt = hf_onebit.BinSGDM(model.parameters(), lr=1e-2)
     ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6) if case == "scaler" else None
     hf_onebit.attach(ddp, opt, grad_scaler=scaler)

@@ -25,17 +25,29 @@ from tests.distributed import run_distributed
 from tests.optim.harness import backward_and_step
 
 SIZES = (20, 200)
-CASES = ("fp32", "bf16", "fp32-scaler")
+#: "bf16-deferred": the finiteness check of a GPU (the step masked with a device flag), forced on CPU
+CASES = ("fp32", "bf16", "fp32-scaler", "bf16-deferred")
 
 
 def _count(rank: int, world_size: int, case: str, tensors: int) -> dict:
+    from hf_onebit.optim import guards
+
+    deferred = guards.DEFERRED_DEVICES
+    guards.DEFERRED_DEVICES = {"cpu", "cuda"} if case.endswith("deferred") else deferred
+    try:
+        return _count_case(case, tensors)
+    finally:
+        guards.DEFERRED_DEVICES = deferred
+
+
+def _count_case(case: str, tensors: int) -> dict:
     import hf_onebit
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from tests.op_counts import OpCount, Stack, counting
 
-    dtype = torch.bfloat16 if case == "bf16" else torch.float32
-    gen = torch.Generator().manual_seed(rank)
+    dtype = torch.bfloat16 if case.startswith("bf16") else torch.float32
+    gen = torch.Generator().manual_seed(torch.distributed.get_rank())
     x = torch.randn(8, 16, generator=gen).to(dtype)
 
     # AdamW(foreach=True) on the same model: its step after the one that creates its state

@@ -196,6 +196,8 @@ CASES = {
     # the same check as on a GPU: masked on the device, read a step later from pinned memory
     "OneBitAdam-checked-deferred": ("OneBitAdam", ADAM, 7, False, {1, 4}, {"defer": True}),
     "OneBitLamb-checked-deferred": ("OneBitLamb", LAMB, 7, False, {1, 3, 4}, {"defer": True}),
+    "ZeroOneAdam-checked-deferred": ("ZeroOneAdam", ZERO_ONE, 12, False, {1, 3, 5}, {"defer": True}),
+    "BinSGDM-checked-deferred": ("BinSGDM", dict(lr=1e-2), 5, False, {1}, {"defer": True}),
     "OneBitAdam-checked-deferred-per-tensor": ("OneBitAdam", {**ADAM, "scale_per_tensor": True, "warmup_bits": 8}, 7,
                                                False, {1, 2, 4}, {"defer": True}),
     # more than 256 segments with one scale per tensor (issue 29, finding 3: piece tables cached

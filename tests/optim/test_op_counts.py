@@ -44,6 +44,10 @@ CASES = {
                                         local_step_scaler=2, local_step_clipper=4, update_clip=1.0), 18,
                     {"allreduce": [4, 8], "compress_gradient": [5, 6, 7], "sync_after_step": [10, 12, 16],
                      "local": [11, 13, 14, 15, 17, 18]}),
+    "ZeroOneAdam-deferred-check": ("ZeroOneAdam", dict(lr=1e-2, weight_decay=0.01, var_freeze_step=8, var_update_scaler=1,
+                                                       local_step_scaler=2, local_step_clipper=4, update_clip=1.0), 18,
+                                   {"allreduce": [4, 8], "compress_gradient": [5, 6, 7], "sync_after_step": [10, 12, 16],
+                                    "local": [11, 13, 14, 15, 17, 18]}, {"defer": True}),
     "OneBitLamb": ("OneBitLamb", dict(lr=1e-2, freeze_step=3, update_clip=1.0), 6,
                    {"allreduce": [2], "compress_momentum": [5, 6]}),
     "OneBitLamb-deferred-check": ("OneBitLamb", dict(lr=1e-2, freeze_step=3, update_clip=1.0), 6,
@@ -60,8 +64,11 @@ CASES = {
 #: come on top of 1-bit Adam's step. Masked for a GPU's check (33 and 35): the gradients'
 #: flat copy and fill (2), the selects of m (2 more than its copy) and g̃, the factor and
 #: coefficients kept where the flag fails.
+#: 0/1 Adam's sync step masked for a GPU's check (33): the gradients' flat copy and fill (2) on top
+#: of its 31.
 OVER_FOUR_ADAMW = {("OneBitLamb-decay", "compress_momentum"): 6, ("OneBitLamb-deferred-check", "allreduce"): 1,
-                   ("OneBitLamb-deferred-check", "compress_momentum"): 3}
+                   ("OneBitLamb-deferred-check", "compress_momentum"): 3,
+                   ("ZeroOneAdam-deferred-check", "sync_after_step"): 1}
 
 
 def _count(rank, world_size, tensors):
