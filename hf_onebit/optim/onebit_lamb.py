@@ -333,6 +333,13 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     # stacked into vectors, so every operation is one op per chunk. Workspace slots (warmup):
     # 0 sqrt(v)+eps; 1 u; 3 fp32 copies of low-precision parameters.
 
+    def _one(self, device: torch.device) -> torch.Tensor:
+        """A 0-dim fp32 1.0 on ``device``, made once (``torch.fmin`` takes no Python scalar)."""
+        ones = self.__dict__.setdefault("_ones", {})
+        if device not in ones:
+            ones[device] = torch.ones((), dtype=torch.float32, device=device)
+        return ones[device]
+
     @staticmethod
     def _fp32_params(chunk: Chunk) -> list[torch.Tensor]:
         """The parameters in fp32 and in logical order (copies where they are not both), for norms."""
@@ -371,7 +378,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         w_norm = torch.stack(torch._foreach_norm(pf))
         u_norm = torch.stack(torch._foreach_norm(u))
         ratio = (w_norm / u_norm).clamp_(group["min_coeff"], group["max_coeff"])
-        c = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+        c = torch.where(torch.minimum(w_norm, u_norm) > 0, ratio, 1.0)  # both norms > 0 (3 ops, not 5)
         cb = group["coeff_beta"]
         frozen_list = chunk.state("coeff_frozen")
         frozen = torch.stack(frozen_list)
@@ -406,8 +413,13 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             torch._foreach_copy_(m, new_m)
             torch._foreach_mul_(v_fresh, beta2)
         else:  # masked: m and v_fresh keep their values where ok fails (g̃·0 adds 0)
-            torch._foreach_mul_(g_rec, ok.float())
-            select_(m, new_m, ok)
+            okf = ok.float()
+            torch._foreach_mul_(g_rec, okf)
+            if synced:  # new_m is the sanitized exchange, zero where ok fails: m·(1-ok) + new_m
+                torch._foreach_mul_(m, 1 - okf)
+                torch._foreach_add_(m, new_m)
+            else:
+                select_(m, new_m, ok)
             torch._foreach_mul_(v_fresh, torch.where(ok, beta2, 1.0))
         torch._foreach_addcmul_(v_fresh, g_rec, g_rec, value=1 - beta2)
         root = torch._foreach_sqrt(v)
@@ -417,16 +429,19 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         factor = torch.stack(torch._foreach_max(torch._foreach_div(denom, fresh)))
         if self.update_clip is not None:  # |m/denom| <= update_clip
             scaled = torch._foreach_abs(m)
-            torch._foreach_mul_(scaled, 1 / self.update_clip)
+            if self.update_clip != 1.0:  # x·1 = x
+                torch._foreach_mul_(scaled, 1 / self.update_clip)
             torch._foreach_maximum_(root, scaled)  # clip_root_
             torch._foreach_add_(root, eps)
             denom = root
         u = torch._foreach_div(m, denom)
         if wd:
-            prelim_norm = torch.stack(torch._foreach_norm(u))
-            torch._foreach_add_(u, self._fp32_params(chunk), alpha=wd)
-            u_norm = torch.stack(torch._foreach_norm(u))
-            rho = torch.where(u_norm > 0, (prelim_norm / u_norm).clamp(max=1.0), 1.0)
+            decayed = torch._foreach_add(u, self._fp32_params(chunk), alpha=wd)
+            norms = torch._foreach_norm(u + decayed)  # both lists' norms in one op
+            prelim_norm, u_norm = torch.stack(norms[: len(u)]), torch.stack(norms[len(u):])
+            u = decayed
+            # min(prelim/u_norm, 1), and 1 where u_norm = 0: x/0 is inf or NaN, which fmin maps to 1
+            rho = torch.fmin(prelim_norm / u_norm, self._one(u_norm.device))
             factor = rho * factor + (1 - rho)
         factor = factor.clamp(group["factor_min"], group["factor_max"])
         last_list = chunk.state("last_factor")

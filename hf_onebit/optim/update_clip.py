@@ -31,5 +31,6 @@ def clip_roots_(roots: list[torch.Tensor], by: list[torch.Tensor], limit: float,
     (``|by|`` goes into ``scratch``)."""
     torch._foreach_copy_(scratch, by)
     torch._foreach_abs_(scratch)
-    torch._foreach_mul_(scratch, 1 / limit)
+    if limit != 1.0:  # x·1 = x: the HF default (update_clip 1.0) skips a pass
+        torch._foreach_mul_(scratch, 1 / limit)
     torch._foreach_maximum_(roots, scratch)
