@@ -20,6 +20,11 @@ One line per kernel and target; exit 1 on a failure. The compiles run in ``--job
   rank 0 and rank 1, which Triton makes a constant; a size that is no multiple of 16; a bucket
   that starts off a 16-byte boundary), and the fp32 baseline again with its element counts as
   64-bit integers, as Triton types them from 2^31 elements on (a buffer too large to build here).
+  BinSGDM's two kernels, called by its bucket layouts (:class:`hf_onebit.optim.vote_core.VoteLayout`)
+  as training calls them: ``vote_threshold`` on a bucket divisible by 16, on one that is not, on a
+  span that starts off a 16-byte boundary and with 64-bit sizes; ``vote_uniform`` for a bucket of
+  one tensor and of several, with seeds, streams and steps whose 22-bit chunks are 0, 1 and
+  neither (its integer arguments are not specialised, so these are the self-test's variant).
 
 Each caught launch gives the kernel, its argument types, its ``constexpr`` values, its launch
 options and the specialisations Triton's launcher would add (an int argument equal to 1 becomes
@@ -206,8 +211,30 @@ def _training_launches(launches: dict, i64: list) -> None:
         compressed.dist, compressed.all_gather_into_tensor = real_dist, real_gather
 
 
+def _vote_launches(launches: dict, i64: list) -> None:
+    """BinSGDM's kernels as its layouts launch them (see the module docstring)."""
+    from hf_onebit.kernels import triton as backend
+
+    for numel, offset in ((4096, 0), (3001, 0), (4096, 1)):  # a whole bucket; not /16; a span off 16 bytes
+        m, b, g, m_out, b_out, theta = (torch.zeros(numel + offset)[offset:] for _ in range(6))
+        before = set(launches)
+        backend.vote_threshold(m, b, g, beta=0.9, eps=1e-8, m_out=m_out, b_out=b_out, theta=theta)
+        if (numel, offset) == (4096, 0):
+            i64.extend(set(launches) - before)
+    for offsets in ([0, 4096], [0, 1000, 1024, 4096]):  # one tensor (pieces = 1), several
+        table = backend.vote_uniform_table(offsets, list(range(len(offsets) - 1)), "cpu")
+        # seed 0 and step 1 (every chunk 0 or 1), rank 1's stream; then chunks neither 0 nor 1
+        for seed, stream, step in ((0, 1, 1), (2**63 + 12345, 3, 10**6)):
+            backend.vote_uniform(torch.empty(4096), table, seed=seed, stream=stream, step=step)
+
+
+def _training_and_vote_launches(launches: dict, i64: list) -> None:
+    _training_launches(launches, i64)
+    _vote_launches(launches, i64)
+
+
 #: name -> what fills the launches
-LISTS = {"selftest": _selftest_launches, "training": _training_launches}
+LISTS = {"selftest": _selftest_launches, "training": _training_and_vote_launches}
 
 
 def caught_launches(which: str = "selftest") -> dict:

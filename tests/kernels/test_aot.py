@@ -41,8 +41,8 @@ def test_every_triton_kernel_compiles_for_sm80_and_sm90():
 
 
 def test_the_variants_training_launches_compile_for_sm80_and_sm90():
-    """The second list: what CompressedAllReduce launches in training that the self-test does not
-    (worlds of 8 and 64, rank 1 made a constant, divisibility hints, 64-bit sizes)."""
+    """The second list: what CompressedAllReduce and BinSGDM's layouts launch in training that the
+    self-test does not (worlds of 8 and 64, rank 1 made a constant, divisibility hints, 64-bit sizes)."""
     out = _compile("--list", "training")
     summary = out.strip().splitlines()[-1]
     count = int(re.search(r"(\d+) specialisations \(training\)", summary).group(1))
@@ -60,4 +60,8 @@ def test_the_variants_training_launches_compile_for_sm80_and_sm90():
         kernels = {ln.split()[2] for ln in lines}
         assert {"_worker_pack_kernel", "_worker_pack_pieces_kernel", "_qworker_pack_kernel",
                 "_qworker_pack_pieces_kernel", "_unpack_scaled_kernel", "_qunpack_pieces_kernel"} <= kernels
+        # and BinSGDM's worker math, with 64-bit sizes and off a 16-byte boundary (its draws compile
+        # to one variant whatever their arguments: the self-test's)
+        votes = [ln for ln in lines if ln.startswith(f"sm_{sm} ok    _vote_threshold_kernel ")]
+        assert any("i64=['numel']" in ln for ln in votes) and any("'m_ptr'" not in ln for ln in votes)
     print(summary)  # the compile time, for the record (pytest -s)
