@@ -112,12 +112,13 @@ class DeepLinear(torch.nn.Module):
         return x
 
 
-def _train_deep(rank, world_size, preset):
+def _train_deep(rank, world_size, preset, name="OneBitAdam", kwargs=None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     model = DeepLinear()
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2, defaults=preset)
+    kwargs = {"freeze_step": 2} if kwargs is None else kwargs
+    opt = getattr(hf_onebit, name)(model.parameters(), lr=1e-3, defaults=preset, **kwargs)
     ddp = DDP(model)
     hf_onebit.attach(ddp, opt)
     data = torch.Generator().manual_seed(rank)
@@ -149,3 +150,12 @@ def test_the_deep_stack_trains_at_the_library_defaults_and_not_at_the_papers():
         assert out["losses"][-1] < 1.5 * out["losses"][0]
     paper = run_distributed(_train_deep, 2, "paper")
     assert not all(math.isfinite(v) and v < 1e6 for v in paper[0]["losses"]), paper[0]["losses"]
+
+
+@pytest.mark.parametrize("name,kwargs", [("ZeroOneAdam", {"var_freeze_step": 2}), ("OneBitLamb", {"freeze_step": 2}),
+                                         ("BinSGDM", {})], ids=["zeroone_adam", "onebit_lamb", "binsgdm"])
+def test_the_other_optimizers_train_the_deep_stack_at_the_library_defaults(name, kwargs):
+    """No default configuration diverges where AdamW trains: the same stack, the same early freeze."""
+    for out in run_distributed(_train_deep, 2, "library", name, kwargs):
+        assert len(out["losses"]) == 12 and all(math.isfinite(v) for v in out["losses"]), out["losses"]
+        assert out["losses"][-1] < 1.5 * out["losses"][0]
