@@ -3,8 +3,9 @@
     python benchmarks/memory.py [--world-size 2]
 
 Trains a small BERT from a config on ``--world-size`` gloo ranks with each optimizer until it is
-in its communication-saving phase (``--phase warmup``: 6 steps into its warmup, with the 8-bit
-exchange's error and work buffers; ``--warmup-bits none`` for a full-precision warmup), then walks every tensor the optimizer object holds (optimizer
+in its communication-saving phase (``--phase warmup``: 6 steps into its warmup, at each optimizer's
+default ``warmup_bits``: 8 bits for 1-bit Adam and LAMB, full precision for 0/1 Adam's variance
+steps; ``--warmup-bits 8|4|none`` for all three), then walks every tensor the optimizer object holds (optimizer
 state, compression segments, work buffers, pending buffers; each storage counted once) and
 prints bytes per model parameter, beside torch's AdamW for reference. The model's own weights
 and gradients are not counted.
@@ -52,7 +53,10 @@ def tensor_bytes(root) -> int:
         elif isinstance(obj, (list, tuple, set)):
             stack.extend(obj)
         elif type(obj).__module__.startswith("hf_onebit") or hasattr(obj, "__dataclass_fields__"):
-            stack.extend(vars(obj).values())
+            if hasattr(obj, "__dict__"):
+                stack.extend(vars(obj).values())
+            for klass in type(obj).__mro__:  # __slots__ classes (BinSGDM's VoteItem) have no __dict__
+                stack.extend(getattr(obj, name) for name in getattr(klass, "__slots__", ()) if hasattr(obj, name))
     return total
 
 
@@ -61,10 +65,12 @@ def _configs(phase: str, warmup_bits) -> dict:
     if phase == "compression":
         out = {k: dict(v) for k, v in CONFIGS.items()}
     else:
-        out = {"AdamW": {}, "OneBitAdam": dict(freeze_step=100), "ZeroOneAdam": dict(var_freeze_step=100),
+        # 0/1 Adam: variance steps at 1, 2, 4, 6, its 1-bit gradient steps (and their error buffers) at 3, 5
+        out = {"AdamW": {}, "OneBitAdam": dict(freeze_step=100), "ZeroOneAdam": dict(var_freeze_step=100, var_update_scaler=2),
                "OneBitLamb": dict(freeze_step=100)}
-    for name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb"):
-        out[name]["warmup_bits"] = warmup_bits
+    if warmup_bits != "default":
+        for name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb"):
+            out[name]["warmup_bits"] = warmup_bits
     return out
 
 
@@ -109,9 +115,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--phase", choices=["compression", "warmup"], default="compression")
-    parser.add_argument("--warmup-bits", default="8", choices=["8", "4", "none"])
+    parser.add_argument("--warmup-bits", default="default", choices=["default", "8", "4", "none"],
+                        help="the warmups' exchange for all three Adam-family optimizers (default: each one's own)")
     args = parser.parse_args()
-    bits = None if args.warmup_bits == "none" else int(args.warmup_bits)
+    bits = {"none": None, "default": "default"}.get(args.warmup_bits) or int(args.warmup_bits)
     rows = run_distributed(_measure, args.world_size, _configs(args.phase, bits), timeout=900)[0]
     numel = next(iter(rows.values()))[2]
     print(f"model: BERT from a config, {numel:,} parameters; {args.world_size} ranks; fp32 model")
