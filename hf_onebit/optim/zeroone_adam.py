@@ -118,8 +118,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             ``-ū/λ`` is restored: as a decaying schedule takes ``λ`` towards 0 at the end of a
             run, the restored momentum becomes mostly compression residue. ``False`` (default):
             the spec.
-        warmup_bits: how the variance steps exchange the gradient: ``None`` (the spec) at full
-            precision, ``8`` or ``4`` with spec §1b's b-bit exchange, whose error feedback shares
+        warmup_bits: how the variance steps exchange the gradient: ``None`` (the default and the
+            spec) at full precision, ``8`` or ``4`` with spec §1b's b-bit exchange, whose error feedback shares
             the 1-bit steps' error buffers (both carry the gradient's residual).
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
             that is left out takes its measured value; ``"paper"``: the spec's value instead.
