@@ -1,7 +1,7 @@
 """The training-loop settings each hf_onebit optimizer needs that differ from the Trainer's defaults.
 
 The optimizers' own arguments (the automatic freeze, one scale per tensor, the update clip, the
-8-bit warmup) are not here: their constructors apply them, from the one table of
+warmup's bit width) are not here: their constructors apply them, from the one table of
 :mod:`hf_onebit.optim.defaults` (``LIBRARY``; ``defaults="paper"`` for the spec's values), so
 ``OneBitAdam(params)``, ``--optim onebit_adam`` through :class:`~hf_onebit.OneBitTrainer` or the
 launcher, the Accelerate plugin and the recipes build the same optimizer. This module holds what
