@@ -106,13 +106,16 @@ GRAD_SLOT = 7
 
 
 def chunks(opt: OneBitOptimizer, init_state: Callable[[torch.Tensor], dict] | None = None, *,
-           skip_empty: bool = False, params: list[torch.Tensor] | None = None) -> Iterator[Chunk]:
+           skip_empty: bool = False, params: list[torch.Tensor] | None = None,
+           ok: torch.Tensor | None = None) -> Iterator[Chunk]:
     """The :class:`Chunk` lists of every parameter with a gradient, in parameter order within each.
 
     As :meth:`~hf_onebit.optim.base.OneBitOptimizer.grads_in_order` per tensor: sparse gradients
     are refused, ``init_state(p)`` makes a parameter's state at its first use, ``skip_empty``
     leaves out parameters with no elements. ``params``: these parameters instead, gradient or
-    not (the chunks' ``grads`` are then ``None``).
+    not (the chunks' ``grads`` are then ``None``). ``ok``: the device flag of a step masked on
+    the device (:attr:`~hf_onebit.optim.base.OneBitOptimizer.finite_ok`): the gradients read as
+    zero where it fails (:meth:`Chunk.sanitized_grads`).
     """
     ws = opt._workspace
     wanted = None if params is None else {id(p) for p in params}
@@ -140,7 +143,17 @@ def chunks(opt: OneBitOptimizer, init_state: Callable[[torch.Tensor], dict] | No
                     fp32 = ws.views(GRAD_SLOT, run)
                     torch._foreach_copy_(fp32, grads)
                     grads = fp32
-                yield Chunk(run, grads, states, group, ws)
+                chunk = Chunk(run, grads, states, group, ws)
+                if ok is not None and grads is not None:
+                    chunk.grads = chunk.sanitized_grads(ok)
+                yield chunk
+
+
+def masked_factor(value: float, ok: torch.Tensor | None, otherwise: float = 1.0):
+    """The factor a list op applies on a step masked on the device: ``value`` where the flag
+    ``ok`` holds, ``otherwise`` (the neutral factor: 1 for a decay, 0 for an update) where it
+    does not, as a 0-dim device tensor (no host read); ``value`` itself without a flag."""
+    return value if ok is None else torch.where(ok, value, otherwise)
 
 
 def select_(state: list[torch.Tensor], new: list[torch.Tensor], ok: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.foreach import Chunk, chunks, select_
+from hf_onebit.optim.foreach import Chunk, chunks, masked_factor, select_
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
@@ -53,7 +53,7 @@ def adam_update_(
     """
     if weight_decay:
         decay = 1 - lr * weight_decay
-        torch._foreach_mul_(chunk.params, decay if ok is None else torch.where(ok, decay, 1.0))
+        torch._foreach_mul_(chunk.params, masked_factor(decay, ok))
     denom = chunk.scratch(0)
     torch._foreach_copy_(denom, v)
     torch._foreach_sqrt_(denom)
@@ -192,18 +192,18 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         if compress and t == self.freeze_step + 1:
             self.freeze_masks()
         ok = self.finite_ok  # a device flag: mask this step's update with it (None: nothing to mask)
-        for chunk in chunks(self, self._init_state):
+        for chunk in chunks(self, self._init_state, ok=ok):
             group = chunk.group
             beta1, beta2 = group["betas"]
             m, v = chunk.state("exp_avg"), chunk.state("exp_avg_sq")
-            # masked: gradients zero where not ok, and every state update below made neutral there
-            grads = chunk.grads if ok is None else chunk.sanitized_grads(ok)
+            # masked: gradients zero where not ok (chunks), and every state update below made neutral there
+            grads = chunk.grads
             if not compress:  # warmup: .grad is the averaged gradient
                 if ok is None:
                     torch._foreach_lerp_(m, grads, 1 - beta1)
                 else:  # m = m·(1-ok) + lerp(m, g, 1-β1)·ok: exactly the lerp, or exactly m
                     select_(m, torch._foreach_lerp(m, grads, 1 - beta1), ok)
-                torch._foreach_mul_(v, beta2 if ok is None else torch.where(ok, beta2, 1.0))
+                torch._foreach_mul_(v, masked_factor(beta2, ok))
                 torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
             elif synced:  # compression: the hook delivered the averaged momentum in .grad
                 if ok is None:
@@ -211,7 +211,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 else:
                     select_(m, grads, ok)
             else:  # one process: the momentum is local and exact
-                torch._foreach_mul_(m, beta1 if ok is None else torch.where(ok, beta1, 1.0))
+                torch._foreach_mul_(m, masked_factor(beta1, ok))
                 torch._foreach_add_(m, grads, alpha=1 - beta1)
             if compress:
                 self.apply_masks_(chunk, m)

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.foreach import Chunk, chunks, select_
+from hf_onebit.optim.foreach import Chunk, chunks, masked_factor, select_
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.tensors import logical, update_in_fp32_
-from hf_onebit.optim.update_clip import check_update_clip, clip_root_
+from hf_onebit.optim.update_clip import check_update_clip, clip_root_, clip_roots_
 from hf_onebit.optim.validation import check_warmup_bits
 
 
@@ -359,12 +359,12 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         """LAMB on the averaged gradient (:meth:`_warmup_direction` and :meth:`_warmup_finish`
         over lists). ``ok``: the device flag that masks the step (see :meth:`step`)."""
         group = chunk.group
-        grads = chunk.grads if ok is None else chunk.sanitized_grads(ok)
+        grads = chunk.grads  # sanitized by chunks() on a masked step
         beta1, beta2 = group["betas"]
         m, v = chunk.state("exp_avg"), chunk.state("exp_avg_sq")
-        torch._foreach_mul_(m, beta1 if ok is None else torch.where(ok, beta1, 1.0))
+        torch._foreach_mul_(m, masked_factor(beta1, ok))
         torch._foreach_add_(m, grads, alpha=1 - beta1)
-        torch._foreach_mul_(v, beta2 if ok is None else torch.where(ok, beta2, 1.0))
+        torch._foreach_mul_(v, masked_factor(beta2, ok))
         torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
         pf = self._fp32_params(chunk)
         root, u = chunk.scratch(0), chunk.scratch(1)
@@ -393,7 +393,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         over lists). Its temporaries are the results of out-of-place list ops (one op each, where
         a workspace copy would add one). ``ok``: the device flag that masks the step."""
         group = chunk.group
-        grads = chunk.grads if ok is None else chunk.sanitized_grads(ok)
+        grads = chunk.grads  # sanitized by chunks() on a masked step
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
         m, v, v_fresh = chunk.state("exp_avg"), chunk.state("exp_avg_sq"), chunk.state("exp_avg_sq_fresh")
@@ -420,7 +420,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 torch._foreach_add_(m, new_m)
             else:
                 select_(m, new_m, ok)
-            torch._foreach_mul_(v_fresh, torch.where(ok, beta2, 1.0))
+            torch._foreach_mul_(v_fresh, masked_factor(beta2, ok))
         torch._foreach_addcmul_(v_fresh, g_rec, g_rec, value=1 - beta2)
         root = torch._foreach_sqrt(v)
         denom = torch._foreach_add(root, eps)  # sqrt(v) + eps
@@ -428,10 +428,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         torch._foreach_add_(fresh, eps)
         factor = torch.stack(torch._foreach_max(torch._foreach_div(denom, fresh)))
         if self.update_clip is not None:  # |m/denom| <= update_clip
-            scaled = torch._foreach_abs(m)
-            if self.update_clip != 1.0:  # x·1 = x
-                torch._foreach_mul_(scaled, 1 / self.update_clip)
-            torch._foreach_maximum_(root, scaled)  # clip_root_
+            clip_roots_(root, m, self.update_clip)
             torch._foreach_add_(root, eps)
             denom = root
         u = torch._foreach_div(m, denom)
@@ -528,7 +525,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         if self.link is not None and self.link.sharded:
             self._sharded_step(compress, synced)
         else:
-            for chunk in chunks(self, self._init_state, skip_empty=True):
+            for chunk in chunks(self, self._init_state, skip_empty=True, ok=self.finite_ok):
                 if compress:
                     self._compression_chunk(chunk, synced, self.finite_ok)
                 else:

@@ -26,11 +26,15 @@ def clip_root_(root: torch.Tensor, by: torch.Tensor, limit: float, scratch: torc
     return torch.maximum(root, torch.abs(by, out=scratch).mul_(1 / limit), out=root)
 
 
-def clip_roots_(roots: list[torch.Tensor], by: list[torch.Tensor], limit: float, scratch: list[torch.Tensor]) -> None:
+def clip_roots_(roots: list[torch.Tensor], by: list[torch.Tensor], limit: float,
+                scratch: list[torch.Tensor] | None = None) -> None:
     """:func:`clip_root_` over lists, in its operation order: ``roots = max(roots, |by|·(1/limit))``
-    (``|by|`` goes into ``scratch``)."""
-    torch._foreach_copy_(scratch, by)
-    torch._foreach_abs_(scratch)
+    (``|by|`` goes into ``scratch``, or into new tensors without it)."""
+    if scratch is None:
+        scratch = torch._foreach_abs(by)
+    else:
+        torch._foreach_copy_(scratch, by)
+        torch._foreach_abs_(scratch)
     if limit != 1.0:  # x·1 = x: the HF default (update_clip 1.0) skips a pass
         torch._foreach_mul_(scratch, 1 / limit)
     torch._foreach_maximum_(roots, scratch)

@@ -22,6 +22,7 @@ import torch
 
 from hf_onebit.kernels import get_backend
 from hf_onebit.kernels import reference
+from hf_onebit.optim.foreach import masked_factor
 
 
 def vote_threshold_(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
@@ -75,7 +76,7 @@ def vote_update_foreach_(params: list, qs: list, *, lr: float, weight_decay: flo
         targets = [p if p.dtype == torch.float32 else work[i] for i, p in enumerate(params)]
     if weight_decay:
         decay = 1.0 - lr * weight_decay
-        torch._foreach_mul_(targets, decay if ok is None else torch.where(ok, decay, 1.0))
+        torch._foreach_mul_(targets, masked_factor(decay, ok))
     torch._foreach_sub_(targets, steps)
     if targets is not params:
         torch._foreach_copy_([params[i] for i in low], [work[i] for i in low])

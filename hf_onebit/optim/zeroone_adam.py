@@ -29,7 +29,7 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
-from hf_onebit.optim.foreach import Chunk, chunks
+from hf_onebit.optim.foreach import Chunk, chunks, masked_factor
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.local_state import LocalPhaseState
@@ -328,13 +328,12 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                 pf = chunk.scratch(3)
                 torch._foreach_copy_(pf, chunk.params)
             torch._foreach_add_(delta, pf, alpha=wd)
-        torch._foreach_mul_(delta, lr if ok is None else torch.where(ok, lr, 0.0))
+        torch._foreach_mul_(delta, masked_factor(lr, ok, 0.0))
         return delta
 
     def _update(self, chunk: Chunk, delta: list[torch.Tensor]) -> None:
         """``p -= Δ``, rounded once."""
         chunk.update_params_(lambda w: torch._foreach_sub_(w, delta), slot=3)
-
 
     def _roots(self, chunk: Chunk) -> list[torch.Tensor]:
         """``sqrt(v̂) = sqrt(v)/sqrt(1 - β2**var_updates)`` with ``bias_correction``, else ``sqrt(v)``
@@ -390,21 +389,20 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         variance_step = plan in (Plan.ALLREDUCE, Plan.QUANTIZE_GRADIENT)
         if variance_step:
             self.var_updates += 1  # counts this step's update, which the loop below applies first
-        for chunk in chunks(self, self._init_state):
-            group = chunk.group
-            # masked: gradients zero where not ok, decays 1, updates ·0 (see masks_non_finite_steps)
-            grads = chunk.grads if ok is None else chunk.sanitized_grads(ok)
+        for chunk in chunks(self, self._init_state, ok=ok):
+            # masked: gradients zero where not ok (chunks), decays 1, updates ·0 (see masks_non_finite_steps)
+            group, grads = chunk.group, chunk.grads
             beta1, beta2 = group["betas"]
             m = chunk.state("exp_avg")
             if variance_step:
                 v = chunk.state("exp_avg_sq")
-                torch._foreach_mul_(v, beta2 if ok is None else torch.where(ok, beta2, 1.0))
+                torch._foreach_mul_(v, masked_factor(beta2, ok))
                 torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
                 if self.refresh_mask and self.masks_frozen:
                     for state in chunk.states:  # only tensors that still have a mask: one-time releases
                         if state.get("mask_refresh"):
                             self.unmask_seen(state, group)  # before m takes this gradient
-            torch._foreach_mul_(m, beta1 if ok is None else torch.where(ok, beta1, 1.0))
+            torch._foreach_mul_(m, masked_factor(beta1, ok))
             torch._foreach_add_(m, grads, alpha=1 - beta1)
             self.apply_masks_(chunk, m)
             # momentum_correction: m̂ = m/c1 as Adam's; m/(c1·(max(sqrt(v̂), |m̂|/clip) + eps)) = m̂/(...)
@@ -423,9 +421,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         if t == self.var_freeze_step + 1:
             self._enter_local_phase()
         clip = self.update_clip is not None
-        for chunk in chunks(self, self._init_local_state):
-            if ok is not None:  # masked: this rank's gradients read as zero (see masks_non_finite_steps)
-                chunk.grads = chunk.sanitized_grads(ok)
+        for chunk in chunks(self, self._init_local_state, ok=ok):  # masked: this rank's gradients read as zero
             # A sync right after this one local step (λ = lr): its bound c·λ is this step's bound,
             # so without clip_synced_momentum u takes the unclipped step (a clipped u clips the
             # momentum the sync restores, u ⊙ (sqrt(v̂)+eps)/λ) and the sync's clip bounds where
@@ -448,7 +444,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         beta1 = group["betas"][0]
         lr, wd = group["lr"], group["weight_decay"]
         m = chunk.state("exp_avg")
-        torch._foreach_mul_(m, beta1 if ok is None else torch.where(ok, beta1, 1.0))
+        torch._foreach_mul_(m, masked_factor(beta1, ok))
         torch._foreach_add_(m, chunk.grads, alpha=1 - beta1)
         self.apply_masks_(chunk, m)
         delta = self._deltas(chunk, m, self._denominators(chunk, m if clip and not lone else None), lr, wd, ok)
