@@ -258,14 +258,14 @@ class WarmupExchange:
     ``bits=None``: the exact mean. Else spec §1b (:class:`QuantizedSpecSimulation`) per DDP bucket
     of ``layouts[t - 1]`` (the bucket keys of step ``t``), with error state per segment kept as
     ``hf_onebit.comm.segments`` keeps it: a key seen for the first time starts from zero errors
-    and replaces every segment it overlaps. ``one_bit``: the 1-bit exchanges of 0/1 Adam by
-    segment key, whose error buffers a b-bit call of the same key shares (both carry the
-    gradient's residual). :meth:`clear` forgets every segment (1-bit Adam's and LAMB's freeze).
+    and replaces every segment it overlaps. Its error buffers are its own, apart from any 1-bit
+    exchange of the same parameters (0/1 Adam's variance phase alternates the two).
+    :meth:`clear` forgets every segment (1-bit Adam's and LAMB's freeze).
     """
 
-    def __init__(self, sizes, n, bits=None, layouts=None, scale_per_tensor=False, one_bit=None) -> None:
+    def __init__(self, sizes, n, bits=None, layouts=None, scale_per_tensor=False) -> None:
         self.sizes, self.n, self.bits, self.layouts = sizes, n, bits, layouts
-        self.per_tensor, self.one_bit, self.by_key = scale_per_tensor, one_bit or {}, {}
+        self.per_tensor, self.by_key = scale_per_tensor, {}
 
     def _exchange(self, key):
         if key not in self.by_key:
@@ -274,10 +274,7 @@ class WarmupExchange:
             sizes = [self.sizes[k] for k in key]
             self.by_key[key] = QuantizedSpecSimulation(sum(sizes), self.n, self.bits,
                                                        sizes if self.per_tensor else None)
-        q = self.by_key[key]
-        if key in self.one_bit:  # one pair of error buffers per segment, whatever the width
-            q.worker_error, q.server_error = self.one_bit[key].worker_error, self.one_bit[key].server_error
-        return q
+        return self.by_key[key]
 
     def __call__(self, t, grads):  # grads[rank][param] -> averaged [param]
         P = len(self.sizes)

@@ -56,11 +56,20 @@ rounds and the same error feedback, with the compressor ``Q_b(y) = s·q``, ``s =
              result = concat_j t_j·q_j
 
 It serves the exchanges that the papers make at full precision (the warmups), where Adam's
-variance needs the gradient's magnitudes, which 1 bit does not carry. The error buffers are the
-1-bit exchange's own: one segment keeps one pair, whatever the width of a call, because an error
-buffer is the part of the signal not yet sent, in the buffer's coordinates, whatever compressor
-left it. The optimizers zero them (:meth:`reset`) where the signal changes meaning (1-bit Adam's
-warmup sends gradients, its compression phase momenta).
+variance needs the gradient's magnitudes, which 1 bit does not carry. By default the error
+buffers are the 1-bit exchange's own: one segment keeps one pair, whatever the width of a call,
+because an error buffer is the part of the signal not yet sent, in the buffer's coordinates,
+whatever compressor left it; 1-bit Adam's and 1-bit LAMB's b-bit warmups end before their 1-bit
+phase begins, so one pair serves both. The optimizers zero them (:meth:`reset`) where the signal
+changes meaning (1-bit Adam's warmup sends gradients, its compression phase momenta).
+
+Where b-bit and 1-bit calls *alternate* on the same buffer (0/1 Adam's variance phase: a b-bit
+variance step between 1-bit gradient steps), ``separate_coded_errors=True`` gives the b-bit calls a
+pair of their own. A shared pair would hand each b-bit call the 1-bit steps' residual (of the
+order of the gradient itself, against a b-bit residual ``2^(b-1)`` times smaller): the averaged
+gradient the variance is built from would carry ``g + e₁``, whose square overstates ``v``, and the
+1-bit steps would restart from the small b-bit residual. With its own pair each exchange corrects
+only its own error, as if the other were exact.
 """
 
 from __future__ import annotations
@@ -111,6 +120,43 @@ def piece_bounds(piece_sizes, padded_numel: int, world_size: int) -> list[int]:
     return sorted(cuts)
 
 
+class ErrorFeedback:
+    """One pair of error buffers: the worker's (``L`` fp32 elements) and the server's (``C``).
+
+    With ``deferred`` commits a call writes spare copies, which :meth:`commit` makes current, so a
+    step skipped after the exchange (a loss scaler's) leaves the current pair bitwise untouched.
+    """
+
+    __slots__ = ("worker", "server", "_spares", "_uncommitted")
+
+    def __init__(self, padded_numel: int, chunk: int, device: torch.device, deferred: bool) -> None:
+        self.worker = torch.zeros(padded_numel, dtype=torch.float32, device=device)
+        self.server = torch.zeros(chunk, dtype=torch.float32, device=device)
+        self._spares = (torch.zeros_like(self.worker), torch.zeros_like(self.server)) if deferred else None
+        self._uncommitted = False
+
+    def for_call(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pair a call reads and writes: the current one, or spares holding a copy of it."""
+        if self._spares is None:
+            return self.worker, self.server
+        worker, server = self._spares
+        self._uncommitted = True
+        return worker.copy_(self.worker), server.copy_(self.server)
+
+    def commit(self) -> None:
+        if self._uncommitted:
+            self._spares, (self.worker, self.server) = (self.worker, self.server), self._spares
+            self._uncommitted = False
+
+    def zero(self) -> None:
+        self.worker.zero_()
+        self.server.zero_()
+
+    def load(self, worker: torch.Tensor, server: torch.Tensor) -> None:
+        self.worker.copy_(worker)
+        self.server.copy_(server)
+
+
 class CompressedAllReduce:
     """State and algorithm of the compressed all-reduce for one flat buffer.
 
@@ -136,6 +182,10 @@ class CompressedAllReduce:
             one scale per tensor piece instead of one per rank and chunk (see the module
             docstring; a tensor whose size is not a multiple of 8 lends up to 7 elements to its
             neighbour's scale). Default ``None``: the spec's single scale, bit for bit.
+        separate_coded_errors: give the b-bit calls (``width`` 8 or 4) a pair of error buffers of
+            their own, made on the first such call and freed by :meth:`reset` (4 bytes per
+            element while they live), for callers whose b-bit and 1-bit calls alternate (see the
+            module docstring). Default ``False``: one pair for every width.
     """
 
     def __init__(
@@ -147,10 +197,11 @@ class CompressedAllReduce:
         stats: CommStats | None = None,
         deferred_commit: bool = False,
         piece_sizes=None,
+        separate_coded_errors: bool = False,
     ) -> None:
         self.numel = int(numel)
         self.deferred_commit = deferred_commit
-        self._uncommitted = False
+        self.separate_coded_errors = separate_coded_errors
         self.device = torch.device(device)
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -165,9 +216,11 @@ class CompressedAllReduce:
         self.chunk = self.padded_numel // n
         f32 = dict(dtype=torch.float32, device=self.device)
         u8 = dict(dtype=torch.uint8, device=self.device)
+        self.errors = ErrorFeedback(self.padded_numel if n > 1 else 0, self.chunk if n > 1 else 0,
+                                    self.device, deferred_commit)
+        #: the b-bit calls' own pair (``separate_coded_errors``), made on the first such call
+        self.coded_errors: ErrorFeedback | None = None
         if n > 1:
-            self.worker_error = torch.zeros(self.padded_numel, **f32)
-            self.server_error = torch.zeros(self.chunk, **f32)
             self._scales = torch.empty(n, **f32)
             self._send_bits = torch.empty(self.padded_numel // 8, **u8)
             self._recv_bits = torch.empty(self.padded_numel // 8, **u8)
@@ -176,20 +229,32 @@ class CompressedAllReduce:
             self._gathered = torch.empty(n * (4 + self.chunk // 8), **u8)
             self._gathered_bits = torch.empty(n, self.chunk // 8, **u8)
             self._gathered_scales = torch.empty(n, 4, **u8)
-        else:
-            self.worker_error = torch.zeros(0, **f32)
-            self.server_error = torch.zeros(0, **f32)
         self.piece_sizes = None if piece_sizes is None else tuple(int(v) for v in piece_sizes)
         if self.piece_sizes is not None and sum(self.piece_sizes) != self.numel:
             raise ValueError(f"piece_sizes sum to {sum(self.piece_sizes)}, the buffer has {self.numel} elements")
         self._bounds: Bounds | None = None
         if self.piece_sizes is not None and n > 1 and self.padded_numel > 0:
             self._setup_pieces(piece_bounds(self.piece_sizes, self.padded_numel, n))
-        if deferred_commit:
-            self._next_worker_error = torch.zeros_like(self.worker_error)
-            self._next_server_error = torch.zeros_like(self.server_error)
         #: work buffers of the b-bit exchange, by width, made on its first call (see :meth:`reset`)
         self._coded: dict[int, dict[str, torch.Tensor]] = {}
+
+    @property
+    def worker_error(self) -> torch.Tensor:
+        """The current worker error buffer (of the 1-bit calls, and of every call by default)."""
+        return self.errors.worker
+
+    @property
+    def server_error(self) -> torch.Tensor:
+        """The current server error buffer (of the 1-bit calls, and of every call by default)."""
+        return self.errors.server
+
+    def _errors_for(self, width: int) -> ErrorFeedback:
+        """The error pair a call at ``width`` bits uses."""
+        if width == 1 or not self.separate_coded_errors:
+            return self.errors
+        if self.coded_errors is None:
+            self.coded_errors = ErrorFeedback(self.padded_numel, self.chunk, self.device, self.deferred_commit)
+        return self.coded_errors
 
     def _setup_pieces(self, bounds: list[int]) -> None:
         """Static piece layout and the work buffers its scales need."""
@@ -238,11 +303,8 @@ class CompressedAllReduce:
             return out
         x = x.reshape(-1)
         k, n, group = self.kernels, self.world_size, self.group
-        worker_error, server_error = self.worker_error, self.server_error
-        if self.deferred_commit:  # compute into spare copies; commit() makes them current
-            worker_error = self._next_worker_error.copy_(self.worker_error)
-            server_error = self._next_server_error.copy_(self.server_error)
-            self._uncommitted = True
+        # with deferred commits, spare copies; commit() makes them current
+        worker_error, server_error = self._errors_for(width).for_call()
 
         if width != 1:
             self._call_coded(x, out, worker_error, server_error, width)
@@ -426,6 +488,9 @@ class CompressedAllReduce:
         }
         if self.piece_sizes is not None:  # absent = one scale (also what old checkpoints hold)
             state["piece_sizes"] = self.piece_sizes
+        if self.coded_errors is not None:
+            state["coded_worker_error"] = self.coded_errors.worker.detach().clone()
+            state["coded_server_error"] = self.coded_errors.server.detach().clone()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -434,6 +499,8 @@ class CompressedAllReduce:
         The saved scale layout (``piece_sizes``; absent, as in checkpoints from before the
         option, for one scale) may differ from this one: a warning is logged and the errors
         carry over (they are residuals in the buffer's coordinates, valid under any layout).
+        The b-bit calls' own errors (``separate_coded_errors``) are restored where saved; state
+        without them (saved before any b-bit call) leaves them to start from zero.
         """
         if "nodes" in state:
             raise ValueError(
@@ -455,21 +522,29 @@ class CompressedAllReduce:
                 "hf_onebit: compression state saved with %s is loaded into a buffer using %s; the"
                 " error buffers carry over", _describe(saved), _describe(self.piece_sizes),
             )
-        self.worker_error.copy_(state["worker_error"])
-        self.server_error.copy_(state["server_error"])
+        coded = "coded_worker_error" in state
+        if coded and not self.separate_coded_errors:
+            raise ValueError(
+                "compression state holds the b-bit exchange's own error buffers (saved with"
+                " separate_coded_errors=True, by 0/1 Adam), this buffer shares one pair for every width:"
+                " resume it with the optimizer that saved it"
+            )
+        self.errors.load(state["worker_error"], state["server_error"])
+        self.coded_errors = None
+        if coded:
+            self._errors_for(8).load(state["coded_worker_error"], state["coded_server_error"])
 
     def commit(self) -> None:
         """Make the errors of the last call current (only needed with ``deferred_commit``)."""
-        if self.deferred_commit and self._uncommitted:
-            self.worker_error, self._next_worker_error = self._next_worker_error, self.worker_error
-            self.server_error, self._next_server_error = self._next_server_error, self.server_error
-            self._uncommitted = False
+        self.errors.commit()
+        if self.coded_errors is not None:
+            self.coded_errors.commit()
 
     def reset(self) -> None:
         """Zero both error buffers, where the exchanged signal changes meaning: 0/1 Adam entering
         its local-step phase, 1-bit Adam and 1-bit LAMB leaving a b-bit warmup. The b-bit work
-        buffers are freed too (every b-bit exchange comes before such a reset; a later one makes
-        them again)."""
-        self.worker_error.zero_()
-        self.server_error.zero_()
+        buffers, and the b-bit calls' own errors where they have them, are freed too (every b-bit
+        exchange comes before such a reset; a later one makes them again, from zero)."""
+        self.errors.zero()
+        self.coded_errors = None
         self._coded.clear()

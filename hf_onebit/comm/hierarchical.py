@@ -77,7 +77,7 @@ class HierarchicalCompressedAllReduce:
         device: where the buffers live.
         nodes: the node layout; its groups are created here if nobody did yet
             (``NodeTopology.create_groups``, a collective: :func:`hf_onebit.attach` does it first).
-        kernels, deferred_commit: as for :class:`~hf_onebit.comm.CompressedAllReduce`.
+        kernels, deferred_commit, separate_coded_errors: as for :class:`~hf_onebit.comm.CompressedAllReduce`.
         stats: every byte this rank sends is counted here.
         inter_node_stats: the bytes that cross between nodes, counted again here.
         piece_sizes: the sizes of the tensors concatenated in the buffer: one scale per tensor
@@ -87,7 +87,7 @@ class HierarchicalCompressedAllReduce:
     def __init__(self, numel: int, device: torch.device | str, nodes: NodeTopology,
                  kernels: str | ModuleType | None = None, stats: CommStats | None = None,
                  inter_node_stats: CommStats | None = None, deferred_commit: bool = False,
-                 piece_sizes=None) -> None:
+                 piece_sizes=None, separate_coded_errors: bool = False) -> None:
         if nodes.node_group is None:
             # attach creates them first; a hand-registered hook state reaches here first, on every
             # rank at the same point (its first compressed bucket), as VoteAllGather does
@@ -107,7 +107,8 @@ class HierarchicalCompressedAllReduce:
         inner_pieces = None if self.piece_sizes is None else shard_piece_sizes(self.piece_sizes, lo, self.shard)
         # the 1-bit exchange of this rank's shard among the M nodes (its bytes are counted here)
         self.inner = CompressedAllReduce(self.shard, self.device, group=nodes.inter_group, kernels=kernels,
-                                         stats=CommStats(), deferred_commit=deferred_commit, piece_sizes=inner_pieces)
+                                         stats=CommStats(), deferred_commit=deferred_commit, piece_sizes=inner_pieces,
+                                         separate_coded_errors=separate_coded_errors)
         f32 = dict(dtype=torch.float32, device=self.device)
         self._rows = torch.zeros(k, self.shard + 1, **f32)  # [shard l | flag slot] per local rank
         self._received = torch.empty(k, self.shard + 1, **f32)  # shard l (and flag) of every local rank

@@ -118,18 +118,19 @@ class OneBitHookState:
         return set().union(*self.layout) if self.layout_step == t else None
 
     def new_compressor(self, numel: int, device: torch.device, piece_sizes: Optional[list] = None,
-                       nodes: Optional[NodeTopology] = None) -> Any:
+                       nodes: Optional[NodeTopology] = None, separate_coded_errors: bool = False) -> Any:
         """The compressed all-reduce of a new segment of ``numel`` elements: flat, or by node
         when the optimizer has a node layout (``nodes``, its groups created by ``attach``)."""
         if nodes is not None:
             return HierarchicalCompressedAllReduce(
                 numel, device, nodes, stats=self.optimizer.comm_stats,
                 inter_node_stats=self.optimizer.inter_node_stats, deferred_commit=self.scaled, piece_sizes=piece_sizes,
+                separate_coded_errors=separate_coded_errors,
             )
         return CompressedAllReduce(
             numel, device=device, group=self.process_group, stats=self.optimizer.comm_stats,
             deferred_commit=self.scaled,  # a loss scaler may skip the step
-            piece_sizes=piece_sizes,
+            piece_sizes=piece_sizes, separate_coded_errors=separate_coded_errors,
         )
 
     def submit(self, device: torch.device, job: Callable[[], torch.Tensor]) -> torch.futures.Future:

@@ -170,6 +170,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
     #: ``None`` for the full-precision all-reduce (the spec), 8 or 4 for spec §1b's b-bit exchange
     #: with error feedback. Set by the optimizers that have a warmup.
     warmup_bits: int | None = None
+    #: Whether the b-bit exchange keeps error buffers apart from the 1-bit one's: where the two
+    #: alternate on the same buffers (0/1 Adam's variance phase), not where one phase follows the
+    #: other (see :mod:`hf_onebit.comm.compressed`).
+    separate_coded_errors: bool = False
 
     def warmup_plan(self) -> Plan:
         """The plan of a step that the papers exchange at full precision: ALLREDUCE, or
@@ -301,7 +305,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         params = self.params_in_order()
         numel = sum(params[i].numel() for i in key)
         piece_sizes = [params[i].numel() for i in key] if self.scale_per_tensor else None
-        return self.link.new_compressor(numel, device, piece_sizes, self.nodes())
+        return self.link.new_compressor(numel, device, piece_sizes, self.nodes(),
+                                        separate_coded_errors=self.separate_coded_errors)
 
     def segments_covering_all(self, device: torch.device, cap_numel: int = 25 * 2**20 // 4) -> list[Segment]:
         """Segments covering every parameter (for communication in ``step()``, e.g. 0/1 Adam)."""

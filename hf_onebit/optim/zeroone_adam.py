@@ -119,8 +119,9 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             run, the restored momentum becomes mostly compression residue. ``False`` (default):
             the spec.
         warmup_bits: how the variance steps exchange the gradient: ``None`` (the default and the
-            spec) at full precision, ``8`` or ``4`` with spec §1b's b-bit exchange, whose error feedback shares
-            the 1-bit steps' error buffers (both carry the gradient's residual).
+            spec) at full precision, ``8`` or ``4`` with spec §1b's b-bit exchange, with
+            error buffers of its own (4 bytes per parameter during the variance phase), apart from
+            the 1-bit steps' that alternate with it.
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
             that is left out takes its measured value; ``"paper"``: the spec's value instead.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
@@ -363,6 +364,10 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
     #: :func:`~hf_onebit.optim.guards.check_finite_grads`, which then needs no host sync on a GPU):
     #: gradients read as zero, the decays become 1, and each update ``Δ`` is scaled by 0, not ``lr``.
     masks_non_finite_steps = True
+    #: The variance phase alternates b-bit variance steps with 1-bit gradient steps on the same
+    #: buffers: each keeps its own error feedback (a shared pair would pour the 1-bit residual,
+    #: of the gradient's own size, into the gradient that the variance is built from).
+    separate_coded_errors = True
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -85,3 +85,58 @@ def _one_rank_world(rank, world_size):
 
 def test_one_rank_returns_its_input_and_refuses_other_widths():
     assert run_distributed(_one_rank_world, 1) == [True]
+
+
+WIDTHS_IN_TURN = [1, 8, 1, 1, 8, 1]  # 0/1 Adam's variance phase: b-bit steps between 1-bit steps
+
+
+def _alternating_calls(rank, world_size, deferred):
+    from hf_onebit.comm import CompressedAllReduce
+
+    numel = sum(SIZES)
+    make = lambda **kw: CompressedAllReduce(numel, kernels="cpu", piece_sizes=SIZES, deferred_commit=deferred, **kw)
+    state = make(separate_coded_errors=True)
+    results, coded = [], []
+    for call, width in enumerate(WIDTHS_IN_TURN):
+        x = make_input(call, rank, numel, torch.float32)
+        if deferred and call == 4:  # an attempt a loss scaler skips: never committed, leaves no trace
+            state.allreduce(3 * x, width=8)
+        results.append(state.allreduce(x.clone(), width=width))
+        state.commit()
+        coded.append(None if state.coded_errors is None else state.coded_errors.worker.clone())
+    saved = state.state_dict()
+    fresh = make(separate_coded_errors=True)
+    fresh.load_state_dict(saved)
+    restored = all(torch.equal(a, b) for a, b in [(fresh.worker_error, state.worker_error),
+                                                  (fresh.server_error, state.server_error),
+                                                  (fresh.coded_errors.worker, state.coded_errors.worker),
+                                                  (fresh.coded_errors.server, state.coded_errors.server)])
+    with pytest.raises(ValueError, match="b-bit exchange's own error buffers"):
+        make().load_state_dict(saved)
+    state.reset()
+    return {"results": results, "coded": coded, "restored": restored, "freed": state.coded_errors is None,
+            "one_bit_error": state.worker_error.abs().max().item()}
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["commit", "deferred_commit"])
+def test_separate_coded_errors_keep_each_width_to_its_own_error_feedback(deferred):
+    """``separate_coded_errors=True``: the 1-bit calls run as if no b-bit call came between them,
+    and the b-bit calls as if no 1-bit call did (two independent simulations); the state saves and
+    restores both pairs, refuses to load into a buffer that shares one pair, and reset frees the
+    b-bit pair."""
+    n, numel = 2, sum(SIZES)
+    outs = run_distributed(_alternating_calls, n, deferred)
+    one_bit, coded = PieceSpecSimulation(numel, n, SIZES), QuantizedSpecSimulation(numel, n, 8, SIZES)
+    for call, width in enumerate(WIDTHS_IN_TURN):
+        xs = [make_input(call, r, numel, torch.float32).numpy() for r in range(n)]
+        expected = (one_bit if width == 1 else coded).step(xs)
+        for r in range(n):
+            got = outs[r]["results"][call].numpy()
+            if width == 1:
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+            else:
+                np.testing.assert_array_equal(got, expected)
+            if outs[r]["coded"][call] is not None:
+                np.testing.assert_array_equal(outs[r]["coded"][call].numpy(), coded.worker_error[r])
+    assert outs[0]["coded"][0] is None  # made on the first b-bit call
+    assert all(o["restored"] and o["freed"] and o["one_bit_error"] == 0 for o in outs)

@@ -19,7 +19,8 @@ from tests.optim.harness import FixedGradModel, fixed_grads
 
 
 def _snapshot(opt, model) -> list[torch.Tensor]:
-    """Every state tensor: parameters, moments, masks, error buffers (worker and server)."""
+    """Every state tensor: parameters, moments, masks, error buffers (worker and server, and the
+    b-bit exchange's own where it has them)."""
     out = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
         for value in opt.state.get(p, {}).values():
@@ -27,6 +28,8 @@ def _snapshot(opt, model) -> list[torch.Tensor]:
                 out.append(value.clone())
     for seg in sorted(opt.segments, key=lambda s: s.key):
         out += [seg.comm.worker_error.clone(), seg.comm.server_error.clone()]
+        if getattr(seg.comm, "coded_errors", None) is not None:
+            out += [seg.comm.coded_errors.worker.clone(), seg.comm.coded_errors.server.clone()]
     return out
 
 

@@ -85,10 +85,9 @@ class ZeroOneAdamSimulation:
             self.comm = [exchange(sum(self.v[k].size for k in s), n,
                                   [self.v[k].size for k in s] if scale_per_tensor else None, nodes)
                          for s in self.segments]
-        # hf_onebit's option: variance steps exchange the gradient at warmup_bits (spec §1b), with the
-        # error buffers of the segment's 1-bit exchange
-        self.warmup = WarmupExchange([v.size for v in self.v], n, warmup_bits, warmup_layouts, scale_per_tensor,
-                                     {tuple(s): c for s, c in zip(self.segments, self.comm)})
+        # hf_onebit's option: variance steps exchange the gradient at warmup_bits (spec §1b), with
+        # error buffers apart from the 1-bit exchange's
+        self.warmup = WarmupExchange([v.size for v in self.v], n, warmup_bits, warmup_layouts, scale_per_tensor)
         self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, weight_decay
         self.F, self.vus, self.lss, self.lsc = var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
         self.t, self.var_interval, self.var_counter, self.local_interval, self.local_counter = 0, 1, 0, 1, 0
@@ -644,10 +643,28 @@ def test_defaults_are_deepspeeds():
 
 @pytest.mark.parametrize("world_size,width", [(2, 8), (3, 4)])
 def test_b_bit_variance_steps_match_the_simulation(world_size, width):
-    """warmup_bits: every variance step exchanges the gradient at b bits (spec §1b) with the error
-    buffers of the 1-bit steps between them; the local phase is the spec's."""
+    """warmup_bits: every variance step exchanges the gradient at b bits (spec §1b) with error
+    buffers of its own, apart from those of the 1-bit steps between them; the local phase is the
+    spec's."""
     kwargs = dict(KWARGS, scale_per_tensor=True, warmup_bits=width)
     outs = run_distributed(partial(train, record_steps=True), world_size, OPT, kwargs, STEPS)
     layouts = [s["layout"] for s in outs[0]["steps"]]
     kinds = _check_against_simulation(outs, kwargs, STEPS, world_size, warmup_layouts=layouts)
     assert Q in kinds and C in kinds and S in kinds and A not in kinds
+
+
+def test_b_bit_variance_phase_resumes_bitwise(tmp_path):
+    """A checkpoint taken inside the variance phase holds both pairs of error buffers (the b-bit
+    steps' and the 1-bit steps'): the resumed run continues bitwise, its later b-bit steps included."""
+    kwargs = dict(KWARGS, scale_per_tensor=True, warmup_bits=8)
+    save_at = 8  # after a b-bit step (8) and 1-bit steps (3, 5, 7); steps 9-11 are 1-bit, 12 b-bit
+    assert SCHEDULE[save_at - 1] == A and SCHEDULE[save_at:12] == [C, C, C, A]
+    full = run_distributed(train, 2, OPT, kwargs, STEPS, str(tmp_path), save_at, None, 0.01, 0, True)
+    saved = torch.load(tmp_path / "rank0.pt", weights_only=True)["segments"].values()
+    assert all(state["coded_worker_error"].abs().max() > 0 for state in saved)
+    assert all(not torch.equal(state["coded_worker_error"], state["worker_error"]) for state in saved)
+    resumed = run_distributed(train, 2, OPT, kwargs, STEPS - save_at, None, None, str(tmp_path), 0.01, save_at, True)
+    for r in range(2):
+        assert [rec["plan"] for rec in resumed[r]["steps"]][:4] == [C, C, C, Q]
+        for k, params in enumerate(resumed[r]["history"]):
+            assert all(torch.equal(a, b) for a, b in zip(params, full[r]["history"][save_at + k])), (r, save_at + 1 + k)
