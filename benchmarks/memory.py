@@ -3,12 +3,11 @@
     python benchmarks/memory.py [--world-size 2]
 
 Trains a small BERT from a config on ``--world-size`` gloo ranks with each optimizer until it is
-in its communication-saving phase (``--phase warmup``: 6 steps into its warmup, at each optimizer's
-default ``warmup_bits``: 8 bits for 1-bit Adam and LAMB, full precision for 0/1 Adam's variance
-steps; ``--warmup-bits 8|4|none`` for all three), then walks every tensor the optimizer object holds (optimizer
-state, compression segments, work buffers, pending buffers; each storage counted once) and
-prints bytes per model parameter, beside torch's AdamW for reference. The model's own weights
-and gradients are not counted.
+in its communication-saving phase (``--phase warmup``: 6 steps into its warmup, at the default
+``warmup_bits``, 8 bits; ``--warmup-bits 8|4|none`` for all three), then walks every tensor the
+optimizer object holds (optimizer state, compression segments, work buffers, pending buffers;
+each storage counted once) and prints bytes per model parameter, beside torch's AdamW for
+reference. The model's own weights and gradients are not counted.
 """
 
 from __future__ import annotations

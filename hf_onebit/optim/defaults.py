@@ -22,13 +22,12 @@ argument                 library default
                          stack diverges at the first 1-bit step without it).
 ``update_clip``          ``1.0``: no coordinate's adaptive step exceeds ``lr`` where the variance
                          is stale (after the freeze); an early freeze no longer blows up a step.
-``warmup_bits``          ``8`` (1-bit Adam, 1-bit LAMB): the warmup exchanges the gradient at 8
-                         bits with error feedback (spec §1b) instead of 32, so the warmup, which
-                         the automatic freeze keeps long, sends 4x fewer bytes. ``None`` (0/1
-                         Adam): its variance steps stay at full precision; at 8 bits it ended
-                         0.32 and 0.75 points below AdamW on Rotten Tomatoes and the tweets, at
-                         full precision 0.18 and 0.09 above (3 seeds each), and its variance steps
-                         thin out anyway (their interval doubles).
+``warmup_bits``          ``8``: the warmup (0/1 Adam: its variance steps) exchanges the gradient
+                         at 8 bits with error feedback (spec §1b) instead of 32, so the warmup,
+                         which the automatic freeze keeps long, sends 4x fewer bytes. 0/1 Adam's
+                         variance steps keep error buffers apart from its 1-bit steps' (sharing
+                         them cost it 0.32 and 0.75 points against AdamW on Rotten Tomatoes and
+                         the tweets, 3 seeds each).
 ``clip_synced_momentum`` ``False`` (0/1 Adam): with ``update_clip`` the momentum its syncs
                          restore is not clipped a second time.
 =======================  =====================================================================
@@ -68,7 +67,7 @@ _SPEC = dict(scale_per_tensor=False, update_clip=None, warmup_bits=None)
 LIBRARY: dict[str, dict] = {
     "OneBitAdam": dict(freeze_step="auto", **_ADAM_LIKE),
     "OneBitLamb": dict(freeze_step="auto", **_ADAM_LIKE),
-    "ZeroOneAdam": dict(var_freeze_step="auto", clip_synced_momentum=False, **{**_ADAM_LIKE, "warmup_bits": None}),
+    "ZeroOneAdam": dict(var_freeze_step="auto", clip_synced_momentum=False, **_ADAM_LIKE),
 }
 
 #: the papers' (the spec's) values of the same arguments

@@ -4,7 +4,8 @@ Spec §3. Two phases:
 
 * **variance** (``t <= var_freeze_step``): every step is synchronised. The variance ``v`` is
   updated only on *variance steps* (``t mod var_interval == 0``), which all-reduce the
-  gradient at full precision; every other step all-reduces the gradient with 1 bit per element
+  gradient at full precision (the spec; by default hf_onebit sends it at 8 bits with error
+  feedback, ``warmup_bits``); every other step all-reduces the gradient with 1 bit per element
   and error feedback, and updates only the momentum. After ``var_update_scaler`` variance
   steps the interval between them doubles.
 * **local_steps** (``t > var_freeze_step``): ``v`` is frozen. Each rank runs Adam steps on its
@@ -118,10 +119,10 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             ``-ū/λ`` is restored: as a decaying schedule takes ``λ`` towards 0 at the end of a
             run, the restored momentum becomes mostly compression residue. ``False`` (default):
             the spec.
-        warmup_bits: how the variance steps exchange the gradient: ``None`` (the default and the
-            spec) at full precision, ``8`` or ``4`` with spec §1b's b-bit exchange, with
-            error buffers of its own (4 bytes per parameter during the variance phase), apart from
-            the 1-bit steps' that alternate with it.
+        warmup_bits: how the variance steps exchange the gradient: ``8`` (the default) or ``4``
+            with spec §1b's b-bit exchange, with error buffers of its own (4 bytes per parameter
+            during the variance phase), apart from the 1-bit steps' that alternate with it;
+            ``None`` (the spec) at full precision.
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
             that is left out takes its measured value; ``"paper"``: the spec's value instead.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
@@ -133,11 +134,11 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
 
         phase        step                     plan               what is communicated            where
         -----------  -----------------------  -----------------  ------------------------------  ---------------------------
-        variance     variance step:           ALLREDUCE          mean gradient, full precision   hook, during backward
-                     t mod var_interval == 0                     (the gradient's dtype)
-                     (warmup_bits=b:          QUANTIZE_GRADIENT  gradient, b bits + error
-                     spec §1b)                                   feedback, the 1-bit steps'
-                                                                 error buffers)
+        variance     variance step:           QUANTIZE_GRADIENT  gradient, b = warmup_bits bits   hook, during backward
+                     t mod var_interval == 0  (spec §1b)         + error feedback (its own
+                                                                 buffers)
+                     (warmup_bits=None)       ALLREDUCE          mean gradient, full precision
+                                                                 (the gradient's dtype)
         variance     1-bit step: otherwise    COMPRESS_GRADIENT  gradient, 1 bit + error         hook, during backward
                                                                  feedback, one buffer per
                                                                  DDP bucket
@@ -148,14 +149,16 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         local_steps  local step: otherwise    LOCAL              nothing                         --
 
     Bytes sent per rank per parameter element (counted as :mod:`hf_onebit.comm.stats` does):
-    ALLREDUCE ``2·(n-1)/n · 4`` for fp32 gradients (≈ 8); COMPRESS_GRADIENT and sync steps
+    ALLREDUCE ``2·(n-1)/n · 4`` for fp32 gradients (≈ 8); QUANTIZE_GRADIENT ``2·(n-1)/n · b/8``
+    (≈ 2 at 8 bits); COMPRESS_GRADIENT and sync steps
     ``2·(n-1)/n · 1/8`` (≈ 0.25) plus ``8·(n-1)`` bytes of scales per buffer and call, in 3
     rounds per buffer; LOCAL 0. Over a local interval of ``k`` steps that is ``0.25/k`` bytes per element
     per step.
 
     What ``.grad`` holds when ``step()`` runs:
 
-    * ALLREDUCE: the averaged gradient, bitwise identical on every rank.
+    * ALLREDUCE, QUANTIZE_GRADIENT: the averaged gradient (b bits: error-compensated), bitwise
+      identical on every rank.
     * COMPRESS_GRADIENT: the 1-bit averaged gradient (error-compensated), identical on every rank.
     * LOCAL and SYNC_AFTER_STEP: this rank's own local gradient, different on every rank (so
       ``clip_grad_norm_`` clips each rank by its own norm).
