@@ -3,6 +3,7 @@
     python benchmarks/pretrain.py                                  # 5 methods x seeds 1 2 3 (~36 min idle)
     python benchmarks/pretrain.py --seeds 1 --json pretrain.json   # one seed (~12 min idle)
     python benchmarks/pretrain.py --seeds 1 --methods adamw --steps 200   # a quick look
+    python benchmarks/pretrain.py --seeds 1 --methods zeroone_adam --optim-args warmup_bits=none   # an experiment
     (--help: every option; --cache-dir DIR keeps the trained tokenizer)
 
 The question (from the issue): pre-train a small transformer from a config on real text, with a
@@ -294,15 +295,45 @@ def build_method(method: str, model, args):
     params = list(model.parameters())
     if method == "adamw":
         return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0), DDP(model)
-    opt = {
-        "onebit_adam": lambda: hf_onebit.OneBitAdam(params, lr=args.lr),
-        "zeroone_adam": lambda: hf_onebit.ZeroOneAdam(params, lr=args.lr),
-        "onebit_lamb": lambda: hf_onebit.OneBitLamb(params, lr=args.lamb_lr),
-        "binsgdm": lambda: hf_onebit.BinSGDM(params, lr=args.binsgdm_lr),
-    }[method]()
+    cls, lr = {
+        "onebit_adam": (hf_onebit.OneBitAdam, args.lr),
+        "zeroone_adam": (hf_onebit.ZeroOneAdam, args.lr),
+        "onebit_lamb": (hf_onebit.OneBitLamb, args.lamb_lr),
+        "binsgdm": (hf_onebit.BinSGDM, args.binsgdm_lr),
+    }[method]
+    opt = cls(params, lr=lr, **accepted_overrides(cls, args.optim_args))
     ddp = DDP(model)
     hf_onebit.attach(ddp, opt)
     return opt, ddp
+
+
+def parse_overrides(text: str | None) -> dict:
+    """``--optim-args "a=1,b=none"`` -> ``{"a": 1, "b": None}`` (ints, floats, booleans, None, else strings)."""
+    from hf_onebit.integrations.options import parse_optim_args
+
+    out = {}
+    for key, value in parse_optim_args(text).items():
+        low = value.lower()
+        if low in ("none", "true", "false"):
+            out[key] = {"none": None, "true": True, "false": False}[low]
+            continue
+        for kind in (int, float):
+            try:
+                out[key] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out
+
+
+def accepted_overrides(cls, overrides: dict) -> dict:
+    """The ``--optim-args`` entries that ``cls``'s constructor takes."""
+    import inspect
+
+    taken = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in overrides.items() if k in taken}
 
 
 def warmup_end(opt):
@@ -561,8 +592,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ffn", type=int, default=352, help="SwiGLU intermediate size")
     parser.add_argument("--log-every", type=int, default=100, help="print the mean training loss every N steps (0: never)")
     parser.add_argument("--cache-dir", type=Path, default=None, help="keep the trained tokenizer here")
+    parser.add_argument("--optim-args", default=None,
+                        help="an experiment: constructor arguments for the hf_onebit methods that take them"
+                             " (e.g. 'warmup_bits=none,var_update_scaler=64'); the benchmark itself passes none")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    try:
+        args.optim_args = parse_overrides(args.optim_args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    import hf_onebit
+
+    chosen = [{"onebit_adam": hf_onebit.OneBitAdam, "zeroone_adam": hf_onebit.ZeroOneAdam,
+               "onebit_lamb": hf_onebit.OneBitLamb, "binsgdm": hf_onebit.BinSGDM}[m] for m in args.methods if m != "adamw"]
+    unused = [k for k in args.optim_args if not any(k in accepted_overrides(c, {k: 0}) for c in chosen)]
+    if unused:
+        parser.error(f"--optim-args: no method in --methods takes {', '.join(unused)}")
     for name in ("steps", "batch", "world_size", "vocab", "hidden", "layers", "heads", "ffn"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -599,8 +644,8 @@ def main(argv: list[str] | None = None) -> None:
     epochs = args.steps * args.batch * args.world_size / data["train_blocks"].shape[0]
     print(f"{args.world_size} gloo ranks, {os.cpu_count()} cores, load average {load_start}; {args.steps} steps x"
           f" {args.batch} blocks x {args.world_size} ranks = {epochs:.2f} epochs; lr {args.lr:g}"
-          f" (1-bit LAMB {args.lamb_lr:g}, BinSGDM {args.binsgdm_lr:g}), warmup {args.warmup_frac:g} then cosine to 0",
-          flush=True)
+          f" (1-bit LAMB {args.lamb_lr:g}, BinSGDM {args.binsgdm_lr:g}), warmup {args.warmup_frac:g} then cosine to 0"
+          + (f"; --optim-args {args.optim_args}" if args.optim_args else ""), flush=True)
 
     sys.path.insert(0, str(REPO))
     from tests.distributed import run_distributed
@@ -615,7 +660,7 @@ def main(argv: list[str] | None = None) -> None:
             "command": "python benchmarks/pretrain.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "date": _dt.date.today().isoformat(), "machine": f"{os.cpu_count()}-core CPU ({platform.machine()})",
             "world_size": args.world_size, "seeds": args.seeds, "steps": args.steps, "batch": args.batch,
-            "seq": args.seq, "lr": args.lr, "lamb_lr": args.lamb_lr, "binsgdm_lr": args.binsgdm_lr,
+            "seq": args.seq, "optim_args": args.optim_args, "lr": args.lr, "lamb_lr": args.lamb_lr, "binsgdm_lr": args.binsgdm_lr,
             "warmup_frac": args.warmup_frac, "fit_to_run": args.fit_to_run,
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "ffn": args.ffn},
             "vocab_size": data["vocab_size"], "documents": data["documents"], "tokens": data["tokens"],
