@@ -628,10 +628,12 @@ def main(argv=None) -> int:
     if not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device is None:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
         args.device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # --device cuda: this rank's GPU
+        device = torch.device("cuda", local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if args.size is None:

@@ -148,13 +148,17 @@ def executor_for(group: dist.ProcessGroup | None = None, device: torch.device | 
     """
     group = group if group is not None else dist.group.WORLD
     inline = runs_inline(device)
-    key = (id(group), str(torch.device(device)) if inline else "thread")
+    if inline:
+        device = torch.device(device)
+        if device.index is None:  # "cuda": the current device (a CUDA future needs indexed devices)
+            device = torch.device(device.type, torch.cuda.current_device())
+    key = (id(group), str(device) if inline else "thread")
     with _LOCK:
         entry = _EXECUTORS.get(key)
         if entry is None:
             if not inline and not any(isinstance(e, ThreadExecutor) for _, e in _EXECUTORS.values()):
                 atexit.register(release_at_exit)
-            executor: Any = StreamExecutor(torch.device(device)) if inline else ThreadExecutor()
+            executor: Any = StreamExecutor(device) if inline else ThreadExecutor()
             entry = _EXECUTORS[key] = (group, executor)
         return entry[1]
 

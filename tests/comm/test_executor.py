@@ -25,6 +25,9 @@ def test_executor_follows_the_device_not_the_backend_name(monkeypatch):
         assert cuda.stream is None  # choosing an executor creates no CUDA context
         assert ex.executor_for(group, "cuda:1") is cuda
         assert ex.executor_for(group, torch.device("cuda", 0)) is not cuda
+        # "cuda" without an index is the current device (a CUDA future refuses an unindexed one)
+        monkeypatch.setattr(ex.torch.cuda, "current_device", lambda: 1)
+        assert ex.executor_for(group, "cuda") is cuda and ex.executor_for(group, torch.device("cuda")) is cuda
     finally:
         for key in [k for k in ex._EXECUTORS if k[0] == id(group)]:
             executor = ex._EXECUTORS.pop(key)[1]
