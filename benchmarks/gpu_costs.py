@@ -26,6 +26,7 @@ skipped.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -104,17 +105,24 @@ class Stack(torch.nn.Module):
         return x
 
 
-def _build(name, params):
+def _build(name, params, phase="compressed"):
+    """``phase="compressed"``: the warmup ends at step 3, the measured steps (9-14) compress at 1 bit
+    (0/1 Adam's local phase with a sync every other step). ``"warmup"``: the measured steps are the
+    library's 8-bit warmup (0/1 Adam: its variance phase, the 8-bit variance step 12 among 1-bit
+    gradient steps)."""
     import hf_onebit
 
+    warm = phase == "warmup"
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-4, foreach=True)
     if name == "onebit_adam":
-        return hf_onebit.OneBitAdam(params, lr=1e-4, freeze_step=3)
+        return hf_onebit.OneBitAdam(params, lr=1e-4, freeze_step=1000 if warm else 3)
     if name == "zeroone_adam":
+        if warm:
+            return hf_onebit.ZeroOneAdam(params, lr=1e-4, var_freeze_step=1000, var_update_scaler=2)
         return hf_onebit.ZeroOneAdam(params, lr=1e-4, var_freeze_step=3, local_step_scaler=1000, local_step_clipper=2)
     if name == "onebit_lamb":
-        return hf_onebit.OneBitLamb(params, lr=1e-4, freeze_step=3)
+        return hf_onebit.OneBitLamb(params, lr=1e-4, freeze_step=1000 if warm else 3)
     return hf_onebit.BinSGDM(params, lr=1e-4)
 
 
@@ -135,13 +143,14 @@ class OpCount:
         self.n = 0
 
 
-def one_config(name, tensors, precision, device, rank, width=256, steps=14, measured=range(8, 14)):
+def one_config(name, tensors, precision, device, rank, phase="compressed", width=256, steps=14,
+               measured=range(8, 14)):
     import hf_onebit
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     model = Stack(tensors, width).to(device)
-    opt = _build(name, model.parameters())
+    opt = _build(name, model.parameters(), phase)
     ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16+scaler" else None
     if name != "adamw":
@@ -229,7 +238,7 @@ def one_config(name, tensors, precision, device, rank, width=256, steps=14, meas
     return out
 
 
-def _worker(rank, world, port, tensors_list, queue):
+def _worker(rank, world, port, tensors_list, phases, queue):
     import torch.distributed as dist
 
     torch.set_num_threads(4)
@@ -239,25 +248,26 @@ def _worker(rank, world, port, tensors_list, queue):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results = []
     try:
-        for precision in ("bf16", "fp16+scaler"):
-            for tensors in tensors_list:
-                for name in OPTIMIZERS:
-                    row = {"optimizer": name, "tensors": tensors, "precision": precision}
-                    try:
-                        row.update(one_config(name, tensors, precision, device, rank))
-                    except Exception:  # noqa: BLE001 - reported in the table
-                        row["error"] = traceback.format_exc(limit=4)
-                    results.append(row)
-                    if rank == 0:
-                        print(json.dumps(row), flush=True)
-                    dist.barrier()
+        for precision, tensors, phase, name in itertools.product(("bf16", "fp16+scaler"), tensors_list, phases,
+                                                                 OPTIMIZERS):
+            if phase == "warmup" and (name == "binsgdm" or (name == "adamw" and "compressed" in phases)):
+                continue  # BinSGDM has no warmup; AdamW's row is the same in both
+            row = {"optimizer": name, "tensors": tensors, "precision": precision, "asked": phase}
+            try:
+                row.update(one_config(name, tensors, precision, device, rank, phase))
+            except Exception:  # noqa: BLE001 - reported in the table
+                row["error"] = traceback.format_exc(limit=4)
+            results.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+            dist.barrier()
     finally:
         if rank == 0:
             queue.put(results)
         dist.destroy_process_group()
 
 
-def step_costs(tensors_list) -> list[dict]:
+def step_costs(tensors_list, phases=("compressed",)) -> list[dict]:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -265,7 +275,7 @@ def step_costs(tensors_list) -> list[dict]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(2, port, tensors_list, queue), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(2, port, tensors_list, tuple(phases), queue), nprocs=2, join=True, start_method="spawn")
     return queue.get()
 
 
@@ -275,6 +285,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tensors", type=int, nargs="+", default=[20, 200])
     parser.add_argument("--sizes", type=int, nargs="+", default=[20, 24, 26], help="log2 of the timed buffers")
     parser.add_argument("--skip", nargs="*", default=[], choices=["kernels", "steps"])
+    parser.add_argument("--phases", nargs="+", default=["compressed"], choices=["compressed", "warmup"],
+                        help="which phase the steps part measures: the 1-bit phase, the 8-bit warmup, or both")
     args = parser.parse_args(argv)
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__}
@@ -285,7 +297,7 @@ def main(argv=None) -> int:
             print(f"{r['dtype']:8} {r['log2']:>4} {r['op']:18} {r['ms']:8.3f} {r['GBps']:8.0f} {r['x_copy']:8.2f}"
                   f" {r['floor_x_copy']:6.2f}", flush=True)
     if "steps" not in args.skip:
-        report["steps"] = step_costs(args.tensors)
+        report["steps"] = step_costs(args.tensors, args.phases)
         print(f"{'precision':12} {'optimizer':13} {'T':>4} {'ops step':>9} {'ops bwd':>8} {'kernels':>8}"
               f" {'sync step':>9} {'sync bwd':>8} {'ms':>7}  phase")
         for r in report["steps"]:
@@ -298,6 +310,7 @@ def main(argv=None) -> int:
             print(f"{r['precision']:12} {r['optimizer']:13} {r['tensors']:>4} {r['ops_step']:9.0f}"
                   f" {r['ops_backward']:8.0f} {kern:>8} {r['syncs_step']:9.1f} {r['syncs_backward']:8.1f} {ms}"
                   f"  {r['phase']}{'' if r['finite'] else ' NON-FINITE'}")
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_costs.json"), "w") as f:
         json.dump(report, f, indent=1)
     return 0

@@ -90,20 +90,20 @@ def test_one_rank_returns_its_input_and_refuses_other_widths():
 WIDTHS_IN_TURN = [1, 8, 1, 1, 8, 1]  # 0/1 Adam's variance phase: b-bit steps between 1-bit steps
 
 
-def _alternating_calls(rank, world_size, deferred):
+def _alternating_calls(rank, world_size, deferred, device="cpu"):
     from hf_onebit.comm import CompressedAllReduce
 
     numel = sum(SIZES)
-    make = lambda **kw: CompressedAllReduce(numel, kernels="cpu", piece_sizes=SIZES, deferred_commit=deferred, **kw)
+    make = lambda **kw: CompressedAllReduce(numel, device=device, piece_sizes=SIZES, deferred_commit=deferred, **kw)
     state = make(separate_coded_errors=True)
     results, coded = [], []
     for call, width in enumerate(WIDTHS_IN_TURN):
-        x = make_input(call, rank, numel, torch.float32)
+        x = make_input(call, rank, numel, torch.float32).to(device)
         if deferred and call == 4:  # an attempt a loss scaler skips: never committed, leaves no trace
             state.allreduce(3 * x, width=8)
-        results.append(state.allreduce(x.clone(), width=width))
+        results.append(state.allreduce(x.clone(), width=width).cpu())
         state.commit()
-        coded.append(None if state.coded_errors is None else state.coded_errors.worker.clone())
+        coded.append(None if state.coded_errors is None else state.coded_errors.worker.to("cpu", copy=True))
     saved = state.state_dict()
     fresh = make(separate_coded_errors=True)
     fresh.load_state_dict(saved)
@@ -118,14 +118,18 @@ def _alternating_calls(rank, world_size, deferred):
             "one_bit_error": state.worker_error.abs().max().item()}
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])  # numba kernels; Triton's, 2 gloo ranks on the one GPU
 @pytest.mark.parametrize("deferred", [False, True], ids=["commit", "deferred_commit"])
-def test_separate_coded_errors_keep_each_width_to_its_own_error_feedback(deferred):
+def test_separate_coded_errors_keep_each_width_to_its_own_error_feedback(deferred, device):
     """``separate_coded_errors=True``: the 1-bit calls run as if no b-bit call came between them,
     and the b-bit calls as if no 1-bit call did (two independent simulations); the state saves and
     restores both pairs, refuses to load into a buffer that shares one pair, and reset frees the
     b-bit pair."""
     n, numel = 2, sum(SIZES)
-    outs = run_distributed(_alternating_calls, n, deferred)
+    outs = run_distributed(_alternating_calls, n, deferred, device)
     one_bit, coded = PieceSpecSimulation(numel, n, SIZES), QuantizedSpecSimulation(numel, n, 8, SIZES)
     for call, width in enumerate(WIDTHS_IN_TURN):
         xs = [make_input(call, r, numel, torch.float32).numpy() for r in range(n)]

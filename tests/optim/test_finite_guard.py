@@ -139,6 +139,9 @@ def test_zeroone_adam_a_masked_sync_step_still_syncs_with_finite_state():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's own path: pinned memory and a CUDA event")
 @pytest.mark.parametrize("name,kwargs,bad_step", [
     ("OneBitAdam", {}, 5), ("OneBitLamb", {"weight_decay": 0.01}, 5), ("ZeroOneAdam", ZERO_ONE, 11), ("BinSGDM", {}, 3),
+    # the library's 8-bit exchanges: a warmup step, 0/1 Adam's b-bit variance step and a 1-bit step between them
+    ("OneBitAdam", {"warmup_bits": 8}, 2), ("OneBitLamb", {"warmup_bits": 8}, 2),
+    ("ZeroOneAdam", {**ZERO_ONE, "warmup_bits": 8}, 2), ("ZeroOneAdam", {**ZERO_ONE, "warmup_bits": 8}, 5),
 ])
 def test_on_cuda_a_masked_step_changes_no_state_and_the_next_step_raises(name, kwargs, bad_step):
     """2 gloo ranks on the one GPU: the flag copied to pinned memory behind a CUDA event, read a step later."""
