@@ -29,6 +29,7 @@ from hf_onebit.comm.allreduce import finite_flag, poison_unless_all_finite_
 from hf_onebit.comm.failures import with_failure_context
 from hf_onebit.comm.hierarchical import HierarchicalCompressedAllReduce
 from hf_onebit.comm.segments import Segment
+from hf_onebit.comm.stats import CommRecord, allreduce_bytes
 from hf_onebit.comm.topology import NodeTopology
 from hf_onebit.hook.buckets import bucket_gradients, compress_bucket
 from hf_onebit.optim import OneBitOptimizer, Plan
@@ -191,6 +192,8 @@ class OneBitHookState:
         scale = self.current_scale() if self.scaled else None
         call = BucketCall(t, attempt, plan, key, params, buffer, grads, scale)
         if plan in (Plan.LOCAL, Plan.SYNC_AFTER_STEP):
+            if plan is Plan.LOCAL:  # nothing sent where DDP would have all-reduced the bucket (a sync counts its own)
+                opt.comm_stats.record(CommRecord(fp32_equivalent=allreduce_bytes(4 * buffer.numel(), opt.world_size)))
             if not self.scaled:
                 return _completed(buffer)
             # With a loss scaler, ranks must skip a step together (see poison_unless_all_finite_).

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from hf_onebit.comm.stats import allreduce_bytes
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
 from tests.simulation import WarmupExchange, exchange, keep_mask
@@ -272,8 +273,11 @@ def _check_against_simulation(outs, kwargs, steps, world_size, nodes=None, late=
     for r in range(world_size):
         for step, rec in enumerate(outs[r]["steps"], start=1):
             kind = rec["plan"]
-            if kind == L:
+            if kind == L:  # nothing sent, where DDP would have all-reduced the model in fp32
                 assert rec["rounds"] == 0 and rec["bytes_sent"] == 0, step
+                numel = [p.numel() for p in _initial_params()]
+                ddp = sum(allreduce_bytes(4 * sum(numel[i] for i in bucket), world_size) for bucket in rec["layout"])
+                assert rec["fp32_equivalent"] == ddp, step
             elif kind == Q:  # b bits: 3 rounds per bucket (step 1 has DDP's one), ~32/b times less than fp32
                 assert rec["rounds"] == 3 * len(rec["layout"]) and rec["fp32_equivalent"] > 2 * rec["bytes_sent"], step
             elif kind in (C, S) and nodes is None:  # 3 rounds per compressed buffer, ~32x less than fp32
