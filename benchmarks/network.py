@@ -51,10 +51,11 @@ powersgd    DDP + AdamW + torch's PowerSGD hook, rank 4, vanilla all-reduce for 
             ``--freeze`` steps (start_powerSGD_iter), error feedback and warm start on; one
             DDP bucket (with several it crashed on gloo: its chained all-reduces mismatch)
 onebit_adam hf_onebit.OneBitAdam, freeze_step = --freeze
-zeroone_adam hf_onebit.ZeroOneAdam, var_freeze_step = --freeze, betas (0.9, 0.99) (the project's
-            guidance for short runs), var_update_scaler max(1, freeze // 4), local_step_scaler
-            max(1, steps // 10), local_step_clipper 16 (DeepSpeed's 16 / 32678 / 16 scaled to a
-            run of tens of steps: 2 / 4 / 16 for 40 steps, freeze 8)
+zeroone_adam hf_onebit.ZeroOneAdam, var_freeze_step = --freeze; with ``--freeze auto`` every
+            other argument at the library's default, with a fixed freeze betas (0.9, 0.99) (the
+            project's guidance for short runs), var_update_scaler max(1, freeze // 4),
+            local_step_scaler max(1, steps // 10), local_step_clipper 16 (DeepSpeed's 16 / 32678
+            / 16 scaled to a run of tens of steps: 2 / 4 / 16 for 40 steps, freeze 8)
 onebit_lamb hf_onebit.OneBitLamb, freeze_step = --freeze, lr = --lamb-lr (default 10x --lr)
 binsgdm     hf_onebit.BinSGDM (no warmup: it votes from step 1)
 

@@ -267,7 +267,8 @@ def onebit_optimizer(method: str, params, args, freeze: int):
     else:
         extra.setdefault("hierarchical", False)
     only_zeroone = {k: extra.pop(k) for k in ("clip_synced_momentum",) if k in extra}  # 0/1 Adam's own option
-    if freeze == "auto":  # the automatic freeze with the bounds the HF integration fits to a run
+    library = freeze == "auto"  # every method at the library's defaults
+    if library:  # the automatic freeze with the bounds the HF integration fits to a run
         from hf_onebit.optim.freeze import AutoFreeze
 
         freeze = AutoFreeze.for_run(args.steps)
@@ -276,6 +277,8 @@ def onebit_optimizer(method: str, params, args, freeze: int):
     if method == "onebit_adam":
         return hf_onebit.OneBitAdam(params, lr=args.lr, freeze_step=freeze, **extra)
     if method == "zeroone_adam":
+        if library:
+            return hf_onebit.ZeroOneAdam(params, lr=args.lr, var_freeze_step=freeze, **{**extra, **only_zeroone})
         scaled = dict(betas=(0.9, 0.99), var_update_scaler=max(1, estimate // 4),
                       local_step_scaler=max(1, args.steps // 10), local_step_clipper=16)
         return hf_onebit.ZeroOneAdam(params, lr=args.lr, var_freeze_step=freeze,

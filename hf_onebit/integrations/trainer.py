@@ -114,7 +114,9 @@ class OneBitTrainingArguments(TrainingArguments):
         metadata={"help": "zeroone_adam: last step of the variance phase, or 'auto' (the default here)."},
     )
     var_update_scaler: int | None = field(
-        default=None, metadata={"help": "zeroone_adam: variance steps before their interval doubles (default 16)."}
+        default=None,
+        metadata={"help": "zeroone_adam: variance steps before their interval doubles (default: never, every"
+                          " variance-phase step is a variance step; the paper's 16)."},
     )
     local_step_scaler: int | None = field(
         default=None,

@@ -7,7 +7,8 @@ Spec §3. Two phases:
   gradient at full precision (the spec; by default hf_onebit sends it at 8 bits with error
   feedback, ``warmup_bits``); every other step all-reduces the gradient with 1 bit per element
   and error feedback, and updates only the momentum. After ``var_update_scaler`` variance
-  steps the interval between them doubles.
+  steps the interval between them doubles (by default it never does: every step of the variance
+  phase is a variance step; see the argument).
 * **local_steps** (``t > var_freeze_step``): ``v`` is frozen. Each rank runs Adam steps on its
   own gradient and accumulates its updates ``u = -Σ Δ`` and learning rates ``λ = Σ lr``. On a
   *sync step* (``t mod local_interval == 0``) the ranks average ``u ⊙ (sqrt(v)+eps)`` with the
@@ -58,7 +59,13 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             optimizer choose it when the variance has settled, judged at variance steps (see
             :mod:`hf_onebit.optim.freeze`; its ``window`` counts variance updates).
         var_update_scaler: number of variance steps after which the interval between variance
-            steps doubles (integer >= 1).
+            steps doubles (integer >= 1; the paper's 16), or ``None`` (the default): the interval
+            never grows, every step of the variance phase is a variance step (at ``warmup_bits``)
+            and the first 1-bit exchange comes after the freeze. The paper's 1-bit gradient steps
+            between variance steps, taken from step 17 on, cost 11-21% of AdamW's held-out loss
+            when pre-training from scratch at small batches (``benchmarks/pretrain.py``; every
+            variance-phase step a variance step: within 1%): the variance phase then sends 8
+            bits per element where the paper's sends 1 on most steps.
         local_step_scaler: number of local-phase steps after which the interval between syncs
             doubles (integer >= 1).
         local_step_clipper: largest interval between syncs (integer >= 1).
@@ -206,7 +213,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         var_freeze_step: int | str | AutoFreeze = LIBRARY_DEFAULT,
-        var_update_scaler: int = 16,
+        var_update_scaler: int | None = LIBRARY_DEFAULT,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
         auto_mask: bool = True,
@@ -224,10 +231,10 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         total_steps: int | None = None,
     ) -> None:
         # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
-        var_freeze_step, scale_per_tensor, update_clip, clip_synced_momentum, warmup_bits = resolve_defaults(
-            "ZeroOneAdam", defaults, var_freeze_step=var_freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip,
-            clip_synced_momentum=clip_synced_momentum, warmup_bits=warmup_bits
-        ).values()
+        var_freeze_step, scale_per_tensor, update_clip, clip_synced_momentum, warmup_bits, var_update_scaler = (
+            resolve_defaults("ZeroOneAdam", defaults, var_freeze_step=var_freeze_step, scale_per_tensor=scale_per_tensor,
+                             update_clip=update_clip, clip_synced_momentum=clip_synced_momentum,
+                             warmup_bits=warmup_bits, var_update_scaler=var_update_scaler).values())
         self.update_clip = check_update_clip(update_clip)
         self.warmup_bits = check_warmup_bits(warmup_bits)
         for name, switch in (("clip_synced_momentum", clip_synced_momentum), ("refresh_mask", refresh_mask),
@@ -239,7 +246,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         self.refresh_mask = refresh_mask
         self.momentum_correction = momentum_correction
         self.init_freeze(var_freeze_step, "var_freeze_step", total_steps)
-        check_positive_int(var_update_scaler, "var_update_scaler")
+        if var_update_scaler is not None:
+            check_positive_int(var_update_scaler, "var_update_scaler")
         check_positive_int(local_step_scaler, "local_step_scaler")
         check_positive_int(local_step_clipper, "local_step_clipper")
         group_defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -261,6 +269,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
 
     def variance_updates_until(self, step: int) -> int:
         """How many variance steps the schedule has in steps ``1..step`` (from the constructor's settings)."""
+        if self.var_update_scaler is None:
+            return max(step, 0)  # every step is a variance step
         updates = counter = 0
         interval, t = 1, 0
         while True:  # the variance steps are the multiples of each interval, ``var_update_scaler`` at a time
@@ -421,7 +431,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             self._update(chunk, self._deltas(chunk, m, denom, group["lr"], group["weight_decay"], ok))
         if variance_step:
             self.var_counter += 1
-            if self.var_counter == self.var_update_scaler:
+            if self.var_counter == self.var_update_scaler:  # never with None
                 self.var_counter = 0
                 self.var_interval *= 2
 

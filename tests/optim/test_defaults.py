@@ -11,6 +11,7 @@ import torch
 
 import hf_onebit
 from hf_onebit.optim import defaults as presets
+from hf_onebit.optim.base import Plan
 from hf_onebit.optim.freeze import DEFAULT_MAX_STEP, AutoFreeze, run_length
 from tests.distributed import run_distributed
 
@@ -25,8 +26,9 @@ def _resolved(opt, freeze_name):
     auto = opt.auto_freeze
     out = dict(scale_per_tensor=opt.scale_per_tensor, update_clip=opt.update_clip, warmup_bits=opt.warmup_bits,
                **{freeze_name: "auto" if auto is not None else getattr(opt, freeze_name)})
-    if hasattr(opt, "clip_synced_momentum"):
-        out["clip_synced_momentum"] = opt.clip_synced_momentum
+    for own in ("clip_synced_momentum", "var_update_scaler"):  # 0/1 Adam's
+        if hasattr(opt, own):
+            out[own] = getattr(opt, own)
     return out
 
 
@@ -159,3 +161,25 @@ def test_the_other_optimizers_train_the_deep_stack_at_the_library_defaults(name,
     for out in run_distributed(_train_deep, 2, "library", name, kwargs):
         assert len(out["losses"]) == 12 and all(math.isfinite(v) for v in out["losses"]), out["losses"]
         assert out["losses"][-1] < 1.5 * out["losses"][0]
+
+
+@pytest.mark.parametrize("preset,first_one_bit", [("library", 21), ("paper", 17)])
+def test_zeroone_adam_variance_phase_has_no_one_bit_step_by_default(preset, first_one_bit):
+    """Library: every step of the variance phase is a variance step (b bits), the first 1-bit
+    exchange is the local phase's; the paper's ``var_update_scaler=16``: 1-bit gradient steps
+    from step 17, between variance steps 18, 20, ..."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = hf_onebit.ZeroOneAdam([p], defaults=preset, var_freeze_step=20, warmup_bits=8)
+    plans = []
+    for _ in range(24):
+        plans.append(opt.plan())
+        p.grad = torch.ones(4)
+        opt.step()
+    variance, one_bit = Plan.QUANTIZE_GRADIENT, Plan.COMPRESS_GRADIENT
+    assert plans[:16] == [variance] * 16
+    first = next(t for t, plan in enumerate(plans, 1) if plan is not variance)
+    assert first == first_one_bit
+    if preset == "library":
+        assert opt.var_updates == 20 and one_bit not in plans
+    else:
+        assert plans[16:20] == [one_bit, variance, one_bit, variance] and opt.var_updates == 18
