@@ -24,10 +24,11 @@ argument                 library default
                          is stale (after the freeze); an early freeze no longer blows up a step.
 ``warmup_bits``          ``8``: the warmup (0/1 Adam: its variance steps) exchanges the gradient
                          at 8 bits with error feedback (spec §1b) instead of 32, so the warmup,
-                         which the automatic freeze keeps long, sends 4x fewer bytes. 0/1 Adam's
-                         variance steps keep error buffers apart from its 1-bit steps' (sharing
-                         them cost it 0.32 and 0.75 points against AdamW on Rotten Tomatoes and
-                         the tweets, 3 seeds each).
+                         which the automatic freeze keeps long, sends 4x fewer bytes. Where 0/1
+                         Adam has 1-bit gradient steps between its variance steps (a
+                         ``var_update_scaler``), the variance steps keep error buffers apart
+                         from theirs (sharing them cost 0.32 and 0.75 points against AdamW on
+                         Rotten Tomatoes and the tweets, 3 seeds each, at 16).
 ``clip_synced_momentum`` ``False`` (0/1 Adam): with ``update_clip`` the momentum its syncs
                          restore is not clipped a second time.
 ``var_update_scaler``    ``None`` (0/1 Adam): every step of the variance phase is a variance

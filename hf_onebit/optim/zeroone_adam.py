@@ -81,10 +81,10 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             momentum ``-ū/λ``.
         refresh_mask: with ``auto_mask``, until the variance freezes, release a masked
             coordinate at the first variance step where its averaged gradient is non-zero (and
-            ``sqrt(v)`` reaches ``eps/100``). The first compressing step comes early (step
-            ``var_update_scaler + 1``), so without this every word-embedding row whose word was
-            not in the first few batches stays masked for the whole run. ``False`` (default):
-            the mask is fixed at the first compressing step.
+            ``sqrt(v)`` reaches ``eps/100``). With a ``var_update_scaler`` the first compressing
+            step comes early (step ``var_update_scaler + 1``), so without this every word-embedding
+            row whose word was not in the first few batches stays masked for the whole run.
+            ``False`` (default): the mask is fixed at the first compressing step.
         bias_correction: divide ``sqrt(v)`` by ``sqrt(1 - β2**k)``, ``k`` the number of variance
             updates so far (frozen with ``v``). Default ``True``; not in the paper or DeepSpeed
             (``False`` follows them exactly, and the spec): without it ``v`` after ``k`` updates
