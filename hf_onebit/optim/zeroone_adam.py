@@ -147,8 +147,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                      (warmup_bits=None)       ALLREDUCE          mean gradient, full precision
                                                                  (the gradient's dtype)
         variance     1-bit step: otherwise    COMPRESS_GRADIENT  gradient, 1 bit + error         hook, during backward
-                                                                 feedback, one buffer per
-                                                                 DDP bucket
+                     (only with a                                feedback, one buffer per
+                     var_update_scaler)                          DDP bucket
         local_steps  sync step:               SYNC_AFTER_STEP    u ⊙ (sqrt(v)+eps), 1 bit +      step(), after this step's
                      t mod local_interval                        error feedback, the 1-bit       local update (it needs that
                      == 0                                        steps' buffers (if none ran:    update: cannot overlap backward)
