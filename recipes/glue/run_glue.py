@@ -70,6 +70,7 @@ from transformers import (  # noqa: E402
     DataCollatorWithPadding,
     EvalPrediction,
     HfArgumentParser,
+    TrainerCallback,
     default_data_collator,
     set_seed,
 )
@@ -271,6 +272,41 @@ def warmup_figures(trainer) -> dict:
     return out
 
 
+class DevCurve(TrainerCallback):
+    """Dev metrics at every evaluation *during* training (``--eval_strategy steps``), each against
+    the training time so far, evaluations excluded, and the bytes sent so far: the points of a
+    time-to-accuracy curve (benchmarks/time_to_accuracy.py plots them).
+
+    The Trainer evaluates right after ``on_step_end``, so an evaluation lasts from the last step's
+    end to ``on_evaluate``; those spells are subtracted from the clock."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.points: list[dict] = []
+        self.start = self.step_end = None
+        self.eval_seconds = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = self.step_end = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_end = time.perf_counter()
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.start is None:  # the evaluation after training: main() adds the final point
+            return
+        train_seconds = self.step_end - self.start - self.eval_seconds
+        self.eval_seconds += time.perf_counter() - self.step_end
+        scores = {k[len("eval_"):]: float(v) for k, v in (metrics or {}).items()
+                  if k.startswith("eval_") and k not in ("eval_runtime", "eval_samples_per_second",
+                                                         "eval_steps_per_second", "eval_epoch")}
+        self.points.append({"step": state.global_step, "train_seconds": train_seconds,
+                            "bytes_sent": wire_figures(self.trainer)["bytes_sent"], **scores})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.start = None
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -402,6 +438,8 @@ def main(argv: list[str] | None = None):
     trainer = OneBitTrainer(model=model, args=training_args, train_dataset=train if training_args.do_train else None,
                             eval_dataset=evals[eval_splits[0]], processing_class=tokenizer, data_collator=collator,
                             compute_metrics=compute_metrics)
+    curve = DevCurve(trainer)
+    trainer.add_callback(curve)
     logger.info("data: %s; model: %s; --optim %s; %d processes; %d steps", data_desc, model_path, optim,
                 training_args.world_size, total_steps)
 
@@ -431,6 +469,14 @@ def main(argv: list[str] | None = None):
             keep["samples"] = len(ds)
             report["eval"][split] = keep
     report["wire"] = wire_figures(trainer)
+    # training time without the evaluations during training; the dev curve ends with the final evaluation
+    report["train_seconds_without_eval"] = report["train_seconds"] - curve.eval_seconds
+    report["curve"] = list(curve.points)
+    if training_args.do_train and report["eval"]:
+        final = {k: v for k, v in report["eval"][eval_splits[0]].items() if k != "samples"}
+        if not report["curve"] or report["curve"][-1]["step"] != report["steps"]:
+            report["curve"].append({"step": report["steps"], "train_seconds": report["train_seconds_without_eval"],
+                                    "bytes_sent": report["wire"]["bytes_sent"], **final})
     if trainer.is_world_process_zero():
         os.makedirs(training_args.output_dir, exist_ok=True)
         with open(os.path.join(training_args.output_dir, "glue_report.json"), "w") as f:
