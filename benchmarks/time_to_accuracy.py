@@ -40,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from netbench import REPO  # noqa: E402
 from netbench.link import Interrupted, Namespaces, _raise_interrupted, parse_rate  # noqa: E402
+from netbench.plots import save_plot  # noqa: E402
 
 RECIPE = REPO / "recipes" / "glue" / "run_glue.py"
 CONFIG = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
@@ -107,7 +109,7 @@ def summarize(runs: dict[str, dict], tolerance: float, budget_fraction: float = 
     base_time = base["train_seconds_without_eval"]
     target = base_acc - tolerance / 100
     rows = {}
-    for method, run in runs.items():
+    for method, run in sorted(runs.items(), key=lambda kv: kv[0] != BASELINE):  # AdamW's row first
         r = run["report"]
         hit = time_to(r["curve"], target)
         row = {"label": LABELS.get(method, method), "accuracy": r["eval"]["validation"]["accuracy"],
@@ -153,7 +155,7 @@ def plot(results: dict, path: Path) -> Path:
 
     summary = results["summary"]
     fig, (acc_ax, bytes_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, run in results["runs"].items():
+    for method, run in sorted(results["runs"].items(), key=lambda kv: kv[0] != BASELINE):
         curve = run["report"]["curve"]
         t = [p["train_seconds"] for p in curve]
         kw = dict(color=COLORS.get(method), label=LABELS.get(method, method), marker="o", ms=3)
@@ -164,6 +166,7 @@ def plot(results: dict, path: Path) -> Path:
     for ax in (acc_ax, bytes_ax):
         ax.axvline(summary["budget_seconds"], color="0.5", ls=":", lw=1, label="a quarter of AdamW's run")
         ax.set_xlabel("training time, evaluations excluded (s)")
+        ax.set_xlim(left=0)
         ax.grid(alpha=0.3)
     acc_ax.set_ylabel("dev accuracy (%)")
     acc_ax.set_ylim(max(45, min(100 * p["accuracy"] for r in results["runs"].values()
@@ -173,12 +176,8 @@ def plot(results: dict, path: Path) -> Path:
     meta = results["meta"]
     fig.suptitle(f"Rotten Tomatoes, MiniLM, 2 CPU processes at {meta['rate']}: the recipe at its defaults,"
                  f" whole runs (warmup included), seed {meta['seed']}", fontsize=10)
-    fig.text(0.01, 0.01, f"{meta['command']}  |  {meta['machine']}", fontsize=7, color="0.3")
-    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(fig, textwrap.fill(f"{meta['command']}  |  {meta['machine']}", 190), path, bottom=0.08)
 
 
 # ====================================================================== main

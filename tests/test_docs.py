@@ -287,6 +287,21 @@ def test_the_speed_table_is_the_stored_benchmark():
             assert cell.rstrip("x") in figures, f"getting-started.md: {row[0]} speed {cell} not in the report"
 
 
+def test_the_time_to_accuracy_table_is_the_stored_run():
+    """results.md's time-to-accuracy table reprints docs/img/time_to_accuracy/tta_200mbit.json."""
+    report = subprocess.run([sys.executable, "benchmarks/time_to_accuracy.py", "--report-from",
+                             "docs/img/time_to_accuracy/tta_200mbit.json"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    rows = _table_rows(_text("docs/results.md"), "| method | whole run (x AdamW)")
+    assert len(rows) == 5
+    for row in rows:
+        printed = next(ln for ln in report.stdout.splitlines() if ln.startswith(f"| {row[0]}"))
+        for cell in row[1:]:
+            for number in _numbers(cell):
+                assert number in printed, f"results.md time to accuracy: {row[0]} {number} not in the report"
+
+
 def test_the_which_optimizer_table_is_results_figures():
     results = _text("docs/results.md").replace("−", "-")
     for row in _table_rows(_text("docs/getting-started.md"), "| `--optim` |"):

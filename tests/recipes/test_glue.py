@@ -377,6 +377,7 @@ def test_embedded_task_two_processes_onebit_adam(tmp_path, tiny_model):
     res = accelerate_launch([RECIPE, "--model_name_or_path", tiny_model, "--optim", "onebit_adam", "--max_steps", "6",
                              "--max_train_samples", "96", "--max_eval_samples", "48", "--per_device_train_batch_size",
                              "8", "--learning_rate", "1e-3", "--logging_steps", "2", "--output_dir", out,
+                             "--eval_strategy", "steps", "--eval_steps", "2",
                              "--data_cache_dir", tmp_path / "cache"], timeout=300).check()
     assert "== hf_onebit GLUE report: rotten_tomatoes (sst2-like), --optim onebit_adam, 2 processes, 6 steps" in res.output
     lines = res.output.splitlines()
@@ -398,6 +399,15 @@ def test_embedded_task_two_processes_onebit_adam(tmp_path, tiny_model):
     assert 0 < w["bytes_sent"] < w["fp32_allreduce_bytes"] and w["ratio"] > 1.5
     assert w["counted"] == "measured by hf_onebit" and w["phase"] == "compression"
     assert list((tmp_path / "cache").iterdir()), "the embedded split is written to --data_cache_dir"
+    # the dev curve (benchmarks/time_to_accuracy.py): an evaluation every 2 steps, against the training
+    # time without the evaluations and the bytes sent so far; the last point is the final evaluation
+    curve = r["curve"]
+    assert [p["step"] for p in curve] == [2, 4, 6]
+    assert 0 < curve[0]["train_seconds"] < curve[1]["train_seconds"] < curve[2]["train_seconds"]
+    assert curve[2]["train_seconds"] == pytest.approx(r["train_seconds_without_eval"], abs=1.0)
+    assert r["train_seconds_without_eval"] < r["train_seconds"]
+    assert 0 < curve[0]["bytes_sent"] < curve[1]["bytes_sent"] < curve[2]["bytes_sent"] == w["bytes_sent"]
+    assert curve[2]["accuracy"] == ev["accuracy"] and curve[2]["loss"] == pytest.approx(ev["loss"])
 
 
 def test_mrpc_tsv_two_processes_binsgdm(tmp_path, tiny_model):
