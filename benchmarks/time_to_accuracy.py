@@ -46,18 +46,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from netbench import REPO  # noqa: E402
+from netbench import LABELS, REPO  # noqa: E402
 from netbench.link import Interrupted, Namespaces, _raise_interrupted, parse_rate  # noqa: E402
-from netbench.plots import save_plot  # noqa: E402
+from netbench.plots import COLORS, save_plot  # noqa: E402
 
 RECIPE = REPO / "recipes" / "glue" / "run_glue.py"
 CONFIG = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
 METHODS = ["adamw_torch", "onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm"]
-LABELS = {"adamw_torch": "AdamW (fp32 DDP)", "onebit_adam": "1-bit Adam", "zeroone_adam": "0/1 Adam",
-          "onebit_lamb": "1-bit LAMB", "binsgdm": "BinSGDM"}
-COLORS = {"adamw_torch": "black", "onebit_adam": "tab:blue", "zeroone_adam": "tab:green",
-          "onebit_lamb": "tab:orange", "binsgdm": "tab:red"}
 BASELINE = "adamw_torch"
+
+
+def label(method: str) -> str:
+    """network.py's name for ``method`` (its AdamW is ``adamw``; ``--optim`` says ``adamw_torch``)."""
+    return LABELS["adamw" if method == BASELINE else method]
+
+
+def color(method: str) -> str:
+    return COLORS["adamw" if method == BASELINE else method]
 
 
 # ====================================================================== running
@@ -112,7 +117,7 @@ def summarize(runs: dict[str, dict], tolerance: float, budget_fraction: float = 
     for method, run in sorted(runs.items(), key=lambda kv: kv[0] != BASELINE):  # AdamW's row first
         r = run["report"]
         hit = time_to(r["curve"], target)
-        row = {"label": LABELS.get(method, method), "accuracy": r["eval"]["validation"]["accuracy"],
+        row = {"label": label(method), "accuracy": r["eval"]["validation"]["accuracy"],
                "train_seconds": r["train_seconds_without_eval"], "bytes_sent": r["wire"]["bytes_sent"],
                "ratio": r["wire"]["ratio"], "freeze_step": r.get("freeze_step") or r.get("var_freeze_step"),
                "speedup": base_time / r["train_seconds_without_eval"],
@@ -158,7 +163,7 @@ def plot(results: dict, path: Path) -> Path:
     for method, run in sorted(results["runs"].items(), key=lambda kv: kv[0] != BASELINE):
         curve = run["report"]["curve"]
         t = [p["train_seconds"] for p in curve]
-        kw = dict(color=COLORS.get(method), label=LABELS.get(method, method), marker="o", ms=3)
+        kw = dict(color=color(method), label=label(method), marker="o", ms=3)
         acc_ax.plot(t, [100 * p["accuracy"] for p in curve], **kw)
         bytes_ax.plot([0] + t, [0] + [p["bytes_sent"] / 1e9 for p in curve], **kw)
     acc_ax.axhline(100 * summary["target"], color="0.5", ls="--", lw=1,

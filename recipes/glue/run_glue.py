@@ -272,6 +272,12 @@ def warmup_figures(trainer) -> dict:
     return out
 
 
+def dev_scores(metrics: dict) -> dict:
+    """The Trainer's ``eval_*`` metrics without their prefix and without its timings and epoch."""
+    return {k[len("eval_"):]: float(v) for k, v in metrics.items() if k.startswith("eval_")
+            and k not in ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_epoch")}
+
+
 class DevCurve(TrainerCallback):
     """Dev metrics at every evaluation *during* training (``--eval_strategy steps``), each against
     the training time so far, evaluations excluded, and the bytes sent so far: the points of a
@@ -297,11 +303,8 @@ class DevCurve(TrainerCallback):
             return
         train_seconds = self.step_end - self.start - self.eval_seconds
         self.eval_seconds += time.perf_counter() - self.step_end
-        scores = {k[len("eval_"):]: float(v) for k, v in (metrics or {}).items()
-                  if k.startswith("eval_") and k not in ("eval_runtime", "eval_samples_per_second",
-                                                         "eval_steps_per_second", "eval_epoch")}
         self.points.append({"step": state.global_step, "train_seconds": train_seconds,
-                            "bytes_sent": wire_figures(self.trainer)["bytes_sent"], **scores})
+                            "bytes_sent": wire_figures(self.trainer)["bytes_sent"], **dev_scores(metrics or {})})
 
     def on_train_end(self, args, state, control, **kwargs):
         self.start = None
@@ -462,10 +465,7 @@ def main(argv: list[str] | None = None):
     report["eval"] = {}
     if training_args.do_eval:
         for split, ds in evals.items():
-            m = trainer.evaluate(eval_dataset=ds, metric_key_prefix="eval")
-            m = {k[len("eval_"):]: v for k, v in m.items() if k.startswith("eval_")}
-            keep = {k: float(v) for k, v in m.items()
-                    if k not in ("runtime", "samples_per_second", "steps_per_second", "epoch")}
+            keep = dev_scores(trainer.evaluate(eval_dataset=ds, metric_key_prefix="eval"))
             keep["samples"] = len(ds)
             report["eval"][split] = keep
     report["wire"] = wire_figures(trainer)
