@@ -45,6 +45,10 @@ def test_time_to_accuracy_is_the_first_evaluation_at_the_target(tta):
     assert rows["binsgdm"]["time_to_target"] == 110.0 and rows["binsgdm"]["met"] is False
     assert rows["onebit_lamb"]["time_to_target"] is None and rows["onebit_lamb"]["met"] is False
     assert rows["adamw_torch"]["met"] is None and rows["adamw_torch"]["time_to_target"] == 400.0
+    # aiming at another AdamW accuracy (--against): 83.0 - 0.5 is reached by BinSGDM only, and too late
+    other = tta.summarize(runs, tolerance=0.5, baseline_accuracy=0.83)["rows"]
+    assert other["binsgdm"]["time_to_target"] == 110.0 and other["binsgdm"]["met"] is False
+    assert other["onebit_adam"]["time_to_target"] is None and other["onebit_adam"]["met"] is False
     table = tta.print_table(s)
     assert "| 1-bit Adam | 30 | 130 s | 3.08x | 0.10 GB | 10.0x | 81.00 | 90 s (step 48) | 4.4x | met |" in table
     assert "| 1-bit LAMB | - | 90 s | 4.44x | 1.00 GB | 1.0x | 80.00 | not reached |  | missed |" in table
