@@ -51,9 +51,9 @@ load_task = data.load_task
 encode = data.encode
 
 
-def build_model(args):
-    """all-MiniLM-L6-v2 + a new 2-way head (seed 0, or ``--seed``); word embedding and key biases frozen."""
-    model = methods.build_model("minilm", 0, args.max_len, args.train_key_bias)
+def build_model(args, num_labels: int = 2):
+    """all-MiniLM-L6-v2 + a new head (seed 0, or ``--seed``); word embedding and key biases frozen."""
+    model = methods.build_model("minilm", 0, args.max_len, args.train_key_bias, num_labels)
     if args.seed:  # another draw of the new head (seed 0 keeps the published runs' weights)
         import torch
 
@@ -127,7 +127,7 @@ def _train_all(rank, world, args):
     import torch.distributed as dist
 
     tok = data.load_tokenizer()
-    train, eval_items = load_task(args.eval_size)
+    train, eval_items, classes = load_task(args.eval_size, args.dataset)
     shard = train[rank::world]
     g = torch.Generator().manual_seed(1000 + rank + 7919 * args.seed)  # the batches' order
     order = torch.randperm(len(shard), generator=g).tolist()
@@ -137,7 +137,7 @@ def _train_all(rank, world, args):
         batches.append(encode(tok, items, args.max_len))
     out = {}
     for method in args.methods:
-        model = build_model(args)
+        model = build_model(args, len(classes))
         opt, ddp = build_method(method, model, args)
         losses, times, evals = [], [], []
         ev = evaluate(model, tok, eval_items, rank, world, args.max_len)
@@ -174,6 +174,37 @@ def _train_all(rank, world, args):
     return out
 
 
+def summary_table(runs: list[dict]) -> str:
+    """Each method's final eval accuracy against AdamW's in the same run, over runs (seeds).
+
+    Paired by run: a method's difference is taken to the AdamW of its own run (same head, same
+    batches), then averaged; the noise is the standard error of that mean.
+    """
+    metas = [r["meta"] for r in runs]
+    for key in ("dataset", "steps", "freeze", "plain_defaults", "eval_examples"):
+        if len({str(m.get(key)) for m in metas}) > 1:
+            raise ValueError(f"the runs differ in {key}: {[m.get(key) for m in metas]}")
+    if any("adamw" not in r["methods"] for r in runs):
+        raise ValueError("every run needs AdamW to pair with")
+    acc = [{m: v["evals"][-1][2] for m, v in r["methods"].items()} for r in runs]
+    lines = [f"{metas[0].get('dataset', 'rotten_tomatoes')}, {metas[0]['steps']} steps, freeze {metas[0]['freeze']},"
+             f" {metas[0].get('eval_examples', '?')} held-out examples, seeds {[m.get('seed', 0) for m in metas]}",
+             f"{'method':<24} {'accuracy by seed':<26} {'vs AdamW (points)':>18} {'SE':>6} {'compression':>12} {'freeze':>10}"]
+    for m in runs[0]["methods"]:
+        if not all(m in a for a in acc):
+            continue
+        by_seed = [100 * a[m] for a in acc]
+        diffs = [100 * (a[m] - a["adamw"]) for a in acc]
+        se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        stats = [r["methods"][m]["stats"] for r in runs]
+        comp = f"{statistics.fmean(s['compression_ratio'] for s in stats):.1f}x" if all(stats) else "-"
+        frozen = ",".join(str(r["methods"][m].get("freeze_step") or "-") for r in runs)
+        diff = "-" if m == "adamw" else f"{statistics.fmean(diffs):+.2f}"
+        lines.append(f"{LABELS[m]:<24} {' / '.join(f'{x:.2f}' for x in by_seed):<26} {diff:>18}"
+                     f" {'-' if m == 'adamw' else f'{se:.2f}':>6} {comp:>12} {frozen:>10}")
+    return "\n".join(lines)
+
+
 def make_plots(results: dict, plot_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -208,12 +239,13 @@ def make_plots(results: dict, plot_dir: Path) -> list[Path]:
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("training loss (EMA 0.95, mean of ranks)")
     axes[0].set_title("training loss vs step")
-    axes[1].set_ylabel("eval loss (512 held-out snippets)")
+    axes[1].set_ylabel(f"eval loss ({meta.get('eval_examples', 512)} held-out examples)")
     axes[1].set_title("eval loss vs step")
     axes[2].set_ylabel("eval accuracy")
     axes[2].set_title("eval accuracy vs step")
     axes[2].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Fine-tuning all-MiniLM-L6-v2 (11.0M of 22.7M parameters trained) on Rotten Tomatoes fresh/rotten:"
+    task = {"rotten_tomatoes": "Rotten Tomatoes fresh/rotten", "tweets": "3-class tweet sentiment"}[meta.get("dataset", "rotten_tomatoes")]
+    fig.suptitle(f"Fine-tuning all-MiniLM-L6-v2 (11.0M of 22.7M parameters trained) on {task}:"
                  f" {meta['steps']} steps,"
                  f" global batch {meta['world_size'] * meta['batch']}, lr {meta['lr']:g} (1-bit LAMB {meta['lamb_lr']:g})")
     paths.append(plots.save_plot(fig, how, plot_dir / "convergence_loss_vs_step.png"))
@@ -244,7 +276,13 @@ def main() -> None:
                         help='fraction of the steps before the freeze (and PowerSGD\'s start), or "auto": the'
                              " automatic freeze within 10-40%% of the run (PowerSGD then starts at 20%%)")
     parser.add_argument("--eval-every", type=int, default=30)
-    parser.add_argument("--eval-size", type=int, default=512)
+    parser.add_argument("--eval-size", type=int, default=512, help="held-out examples (more than the dev split: all of it)")
+    parser.add_argument("--dataset", default="rotten_tomatoes", choices=data.TASKS,
+                        help="the GLUE recipe's embedded task: Rotten Tomatoes or the 3-class tweets")
+    parser.add_argument("--plain-defaults", action="store_true",
+                        help="the hf_onebit optimizers get only lr and the freeze step: every other argument at"
+                             " the library's defaults, as in OneBitAdam(params, lr=..., freeze_step=...) (without"
+                             " it, 0/1 Adam at a given freeze takes the published schedules scaled to the run)")
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--train-key-bias", action="store_true",
                         help="train the attention key biases (frozen by default; see benchmarks/network.py)")
@@ -253,6 +291,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot-dir", type=Path, default=None)
     parser.add_argument("--plot-from", type=Path, default=None, help="only plot the results of an earlier --json")
+    parser.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="only print the seeds' summary of earlier --json runs (e.g. one per --seed)")
     args = parser.parse_args()
     if args.freeze_frac != "auto":
         try:
@@ -260,12 +300,19 @@ def main() -> None:
                 raise ValueError
         except ValueError:
             parser.error(f'--freeze-frac must be a fraction in (0, 1) or "auto", got {args.freeze_frac!r}')
+    if args.summarize:
+        try:
+            print(summary_table([json.loads(f.read_text()) for f in args.summarize]))
+        except ValueError as e:
+            parser.error(str(e))
+        return
     if args.plot_from:
         for p in make_plots(json.loads(args.plot_from.read_text()), args.plot_dir or Path("docs/img")):
             print(f"wrote {p}")
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    data.load_corpus(), data.minilm_dir()  # fail early with the install hint
+    data.minilm_dir()  # fail early with the install hint
+    eval_examples = len(load_task(args.eval_size, args.dataset)[1])  # and with the data's
     from tests.distributed import run_distributed
 
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -276,6 +323,7 @@ def main() -> None:
     results = {
         "meta": {"command": "python benchmarks/convergence.py " + " ".join(sys.argv[1:]),
                  "date": _dt.date.today().isoformat(), "machine": f"{os.cpu_count()}-core CPU ({platform.machine()})",
+                 "dataset": args.dataset, "eval_examples": eval_examples, "plain_defaults": args.plain_defaults,
                  "world_size": args.world_size, "seed": args.seed, "steps": args.steps, "batch": args.batch, "max_len": args.max_len,
                  "lr": args.lr, "lamb_lr": args.lamb_lr, "freeze": f, "load_start": load_start,
                  "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "minutes": (time.time() - start) / 60},

@@ -81,12 +81,17 @@ def mlm_batches(blocks, steps: int, batch: int, rank: int, world: int, seed: int
     return out
 
 
-def load_task(eval_size: int):
-    """The GLUE recipe's Rotten Tomatoes split as (text, label) pairs, fresh = 1, rotten = 0: (train, eval).
+#: the fine-tuning tasks load_task reads, by the GLUE recipe's ``--dataset`` name
+TASKS = ("rotten_tomatoes", "tweets")
 
-    The same examples as ``recipes/glue/glue_data.split_examples`` (deduplicated, dev by a hash
-    of the text), so benchmark and recipe results are on the same data: train is the recipe's
-    train split, eval the first ``eval_size`` of its dev split in a fixed shuffled order.
+
+def load_task(eval_size: int, dataset: str = "rotten_tomatoes"):
+    """The GLUE recipe's split of an embedded task as (text, label index) pairs: (train, eval, classes).
+
+    The same examples as ``recipes/glue/glue_data.py`` (deduplicated, dev by a hash of the text),
+    so benchmark and recipe results are on the same data: train is the recipe's train split, eval
+    the first ``eval_size`` of its dev split in a fixed shuffled order. ``rotten_tomatoes``:
+    rotten = 0, fresh = 1; ``tweets``: negative, neutral, positive = 0, 1, 2.
     """
     import sys
 
@@ -95,10 +100,21 @@ def load_task(eval_size: int):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes" / "glue"))
     import glue_data
 
-    train, dev, _ = glue_data.split_examples(glue_data.read_source(glue_data.find_source()))
+    if dataset == "rotten_tomatoes":
+        train, dev, _ = glue_data.split_examples(glue_data.read_source(glue_data.find_source()))
+        classes = ("rotten", "fresh")
+        index = {0: 0, 1: 1}
+    elif dataset == "tweets":
+        src = glue_data.embedded_source("tweets")
+        items, _ = glue_data.read_tweets(glue_data.find_source("tweets"))
+        train, dev, _ = glue_data.dedup_split(items, src.dev_fraction, glue_data.tweet_key)
+        classes = src.task.labels
+        index = {name: i for i, name in enumerate(classes)}
+    else:
+        raise ValueError(f"dataset must be one of {TASKS}, got {dataset!r}")
     order = torch.randperm(len(dev), generator=torch.Generator().manual_seed(0)).tolist()
-    return ([(e["sentence"], e["label"]) for e in train],
-            [(dev[i]["sentence"], dev[i]["label"]) for i in order[:eval_size]])
+    return ([(e["sentence"], index[e["label"]]) for e in train],
+            [(dev[i]["sentence"], index[dev[i]["label"]]) for i in order[:eval_size]], classes)
 
 
 def encode(tok, items, max_len: int):

@@ -29,8 +29,9 @@ def freeze_dead_parameters(model, freeze_embeddings: bool) -> None:
             p.requires_grad_(False)
 
 
-def build_model(kind: str, vocab: int, seq: int, train_key_bias: bool = False):
-    """The benchmark model; ``model(*batch)`` returns the loss. Same initial weights on every call."""
+def build_model(kind: str, vocab: int, seq: int, train_key_bias: bool = False, num_labels: int = 2):
+    """The benchmark model; ``model(*batch)`` returns the loss. Same initial weights on every call
+    (``num_labels``: the classifier's classes, ``minilm`` only)."""
     import torch
 
     torch.manual_seed(0)
@@ -44,7 +45,7 @@ def build_model(kind: str, vocab: int, seq: int, train_key_bias: bool = False):
         class Classifier(torch.nn.Module):
             def __init__(self):
                 super().__init__()
-                self.net = AutoModelForSequenceClassification.from_pretrained(str(minilm_dir()), num_labels=2)
+                self.net = AutoModelForSequenceClassification.from_pretrained(str(minilm_dir()), num_labels=num_labels)
 
             def forward(self, input_ids, attention_mask, labels):
                 return self.net(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
@@ -251,7 +252,9 @@ def _param_bytes(model) -> tuple[int, int]:
 def onebit_optimizer(method: str, params, args, freeze: int):
     """The hf_onebit optimizer of ``method`` as the benchmarks configure it (also convergence.py's).
 
-    Hyperparameters follow the published guidance scaled to a run of ``args.steps`` steps;
+    Hyperparameters follow the published guidance scaled to a run of ``args.steps`` steps (0/1
+    Adam's schedules at a given freeze step), the library's defaults under the automatic freeze
+    or with ``args.plain_defaults``;
     ``args.onebit_args`` (JSON) adds keyword arguments, e.g. ``{"bias_correction": true}``;
     ``clip_synced_momentum`` goes to 0/1 Adam only. A ``_nodes`` suffix (``onebit_adam_nodes``)
     builds the same optimizer with ``hierarchical=True`` (the exchange by node, which needs
@@ -267,8 +270,10 @@ def onebit_optimizer(method: str, params, args, freeze: int):
     else:
         extra.setdefault("hierarchical", False)
     only_zeroone = {k: extra.pop(k) for k in ("clip_synced_momentum",) if k in extra}  # 0/1 Adam's own option
-    library = freeze == "auto"  # every method at the library's defaults
-    if library:  # the automatic freeze with the bounds the HF integration fits to a run
+    # every method at the library's defaults: under the automatic freeze, or when asked for
+    # (``args.plain_defaults``: a user's ``ZeroOneAdam(params, lr=..., var_freeze_step=30)``)
+    library = freeze == "auto" or getattr(args, "plain_defaults", False)
+    if freeze == "auto":  # the automatic freeze with the bounds the HF integration fits to a run
         from hf_onebit.optim.freeze import AutoFreeze
 
         freeze = AutoFreeze.for_run(args.steps)
@@ -455,7 +460,7 @@ def worker(args, step_probe=None) -> None:
         return
     tok = load_tokenizer()
     if args.model in ("minilm", "tiny"):
-        train, _ = load_task(512)
+        train, _, _ = load_task(512)
         batches = sentiment_batches(tok, train, args.steps, args.batch, rank, world, args.seed, args.seq)
         n_examples = len(train)
     else:
