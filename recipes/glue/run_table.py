@@ -24,7 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "glue" / "run_glue.py"
-CONFIG = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
+sys.path.insert(0, str(REPO / "recipes"))
+from cpu_launch import launch_command, offline_env  # noqa: E402
 
 COMMON = ["--seed", "42", "--per_device_train_batch_size", "16", "--logging_steps", "40"]
 
@@ -45,11 +46,8 @@ METHODS = {
 
 
 def run_one(name: str, args: list[str], out: Path, log: Path) -> dict:
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    exe = Path(sys.executable).with_name("accelerate")
-    launcher = [str(exe), "launch"] if exe.exists() else [sys.executable, "-m", "accelerate.commands.launch"]
-    cmd = [*launcher, "--config_file", str(CONFIG), str(RECIPE), "--output_dir", str(out), *args]
+    env = offline_env()
+    cmd = launch_command(str(RECIPE), "--output_dir", str(out), *args)
     load_before = os.getloadavg()
     start = time.perf_counter()
     with open(log, "w") as f:
