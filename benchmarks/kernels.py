@@ -13,6 +13,9 @@ Rows (medians over ``--repeats``):
   server              server_scale + server_pack of one chunk (numel / n elements, n bit rows)
   ... [P pieces]      the same with one scale per piece (``bounds=``): P = 1 (the whole
                       buffer as one piece) and P = --pieces pieces of random sizes
+  ... b-bit [P pieces] the b-bit exchange's kernels (the warmup's, spec §1b) at ``--widths``
+                      bits, one scale per piece: compress (qworker_scale + qworker_pack),
+                      decompress (qunpack_scaled), server (qserver_scale + qserver_pack)
 
 Compression must move about 2.5x the bytes of the copy (pass 1 reads x and error, pass 2 reads
 them again and writes error and bits); since the copy also pays a read-for-ownership of its
@@ -92,7 +95,43 @@ def piece_ops(mod, numel: int, n: int, pieces: int) -> dict[str, Callable[[], ob
     }
 
 
-def backend_ops(mod, numel: int, n: int, dtypes: list[torch.dtype], pieces: int = 0) -> dict[str, Callable[[], object]]:
+def quantized_ops(mod, numel: int, n: int, width: int, pieces: int) -> dict[str, Callable[[], object]]:
+    """The b-bit exchange's kernels (spec §1b: the warmup's) at ``width`` bits, fp32, one scale
+    per piece over ``pieces`` random pieces (the library's default: one scale per tensor)."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(numel, generator=gen)
+    y = torch.empty(numel)
+    error = torch.randn(numel, generator=gen) * 0.1
+    codes = torch.empty(numel * width // 8, dtype=torch.uint8)
+    bounds = random_bounds(numel, pieces)
+    chunk = numel // n
+    cuts = sorted(set(bounds) | {j * chunk for j in range(n + 1)})
+    local = [b for b in cuts if b <= chunk]  # the pieces of chunk 0
+    scales = torch.ones(n, len(bounds) - 1)
+    rows = torch.randint(0, 2**width, (n, chunk * width // 8), dtype=torch.uint8, generator=gen)
+    server_error = torch.randn(chunk, generator=gen) * 0.1
+    server_codes = torch.empty(chunk * width // 8, dtype=torch.uint8)
+    server_scales = torch.full((n, len(local) - 1), 1e-3)
+    out_scales = torch.full((len(cuts) - 1,), 1e-3)
+
+    def compress():
+        scales[0] = mod.qworker_scale(x, error, width=width, bounds=bounds)
+        mod.qworker_pack(x, error, scales, 0, codes, width=width, bounds=bounds)
+
+    def server():
+        t = mod.qserver_scale(rows, server_scales, server_error, width=width, bounds=local)
+        mod.qserver_pack(rows, server_scales, server_error, t, server_codes, width=width, bounds=local)
+
+    label = f"{width}-bit [{len(bounds) - 1} pieces]"
+    return {
+        f"compress float32 {label}": compress,
+        f"decompress -> float32 {label}": lambda: mod.qunpack_scaled(rows, out_scales, y, width=width, bounds=cuts),
+        f"server {label}": server,
+    }
+
+
+def backend_ops(mod, numel: int, n: int, dtypes: list[torch.dtype], pieces: int = 0,
+                widths: tuple[int, ...] = ()) -> dict[str, Callable[[], object]]:
     """The timed operations for a buffer of ``numel`` elements (a multiple of 8·n)."""
     gen = torch.Generator().manual_seed(0)
     x32 = torch.randn(numel, generator=gen)
@@ -128,6 +167,8 @@ def backend_ops(mod, numel: int, n: int, dtypes: list[torch.dtype], pieces: int 
     if pieces:
         ops.update(piece_ops(mod, numel, n, 1))
         ops.update(piece_ops(mod, numel, n, pieces))
+        for width in widths:
+            ops.update(quantized_ops(mod, numel, n, width, pieces))
     return ops
 
 
@@ -152,6 +193,8 @@ def main() -> None:
     )
     parser.add_argument("--skip-reference", action="store_true")
     parser.add_argument("--pieces", type=int, default=100, help="pieces for the one-scale-per-piece rows (0: none)")
+    parser.add_argument("--widths", type=int, nargs="*", default=[8, 4],
+                        help="bit widths of the b-bit exchange's rows (with --pieces; none: no such rows)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # the kernels are single-threaded; so must the yardstick be
@@ -160,7 +203,8 @@ def main() -> None:
     numel = args.numel // align * align
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, n={n}, repeats={args.repeats}\n")
 
-    results = time_interleaved(backend_ops(cpu, numel, n, [torch.float32, torch.bfloat16], args.pieces), args.repeats)
+    results = time_interleaved(backend_ops(cpu, numel, n, [torch.float32, torch.bfloat16], args.pieces, tuple(args.widths)),
+                               args.repeats)
     print_table(f"cpu backend, numel={numel:,}", results)
 
     if not args.skip_reference:
