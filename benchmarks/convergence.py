@@ -27,7 +27,7 @@ Every method fine-tunes the same initial weights on the same batches (disjoint s
 ``--world-size`` gloo ranks on this machine's loopback (unthrottled: this is about accuracy, not
 speed; see benchmarks/network.py for speed). Hyperparameters follow the published guidance
 scaled to a run of ``--steps`` steps: warmup / freeze / start of PowerSGD after 20% of the steps,
-constant learning rate; 1-bit LAMB with its own (larger) learning rate since its step is
+constant learning rate (``--schedule linear``: decaying linearly to 0, as transformers' default); 1-bit LAMB with its own (larger) learning rate since its step is
 relative to the weight norm. ``--plain-defaults`` passes the hf_onebit optimizers only the
 learning rate and the freeze step, as a user's ``OneBitAdam(params, lr=..., freeze_step=...)``.
 
@@ -147,6 +147,8 @@ def _train_all(rank, world, args):
     for method in args.methods:
         model = build_model(args, len(classes))
         opt, ddp = build_method(method, model, args)
+        # linear decay to 0 over the run: transformers' default schedule (without warmup)
+        sched = torch.optim.lr_scheduler.PolynomialLR(opt, args.steps, 1.0) if args.schedule == "linear" else None
         losses, times, evals = [], [], []
         ev = evaluate(model, tok, eval_items, rank, world, args.max_len)
         evals.append((0, *ev))
@@ -157,6 +159,8 @@ def _train_all(rank, world, args):
             loss = ddp(ids, att, y)
             loss.backward()
             opt.step()
+            if sched is not None:
+                sched.step()
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
             times.append(time.perf_counter() - t0 - paused)
@@ -189,13 +193,14 @@ def summary_table(runs: list[dict]) -> str:
     batches), then averaged; the noise is the standard error of that mean.
     """
     metas = [r["meta"] for r in runs]
-    for key in ("dataset", "steps", "freeze", "plain_defaults", "eval_examples"):
+    for key in ("dataset", "steps", "freeze", "plain_defaults", "eval_examples", "schedule"):
         if len({str(m.get(key)) for m in metas}) > 1:
             raise ValueError(f"the runs differ in {key}: {[m.get(key) for m in metas]}")
     if any("adamw" not in r["methods"] for r in runs):
         raise ValueError("every run needs AdamW to pair with")
     acc = [{m: v["evals"][-1][2] for m, v in r["methods"].items()} for r in runs]
-    lines = [f"{metas[0].get('dataset', 'rotten_tomatoes')}, {metas[0]['steps']} steps, freeze {metas[0]['freeze']},"
+    lines = [f"{metas[0].get('dataset', 'rotten_tomatoes')}, {metas[0]['steps']} steps,"
+             f" {metas[0].get('schedule', 'constant')} lr, freeze {metas[0]['freeze']},"
              f" {metas[0].get('eval_examples', '?')} held-out examples, seeds {[m.get('seed', 0) for m in metas]}",
              f"{'method':<24} {'accuracy by seed':<26} {'vs AdamW (points)':>18} {'SE':>6} {'compression':>12} {'freeze':>10}"]
     for m in runs[0]["methods"]:
@@ -287,6 +292,8 @@ def main() -> None:
     parser.add_argument("--eval-size", type=int, default=512, help="held-out examples (more than the dev split: all of it)")
     parser.add_argument("--dataset", default="rotten_tomatoes", choices=data.TASKS,
                         help="the GLUE recipe's embedded task: Rotten Tomatoes or the 3-class tweets")
+    parser.add_argument("--schedule", default="constant", choices=["constant", "linear"],
+                        help="the learning rate over the run: constant, or linear decay to 0 (transformers' default)")
     parser.add_argument("--plain-defaults", action="store_true",
                         help="the hf_onebit optimizers get only lr and the freeze step: every other argument at"
                              " the library's defaults, as in OneBitAdam(params, lr=..., freeze_step=...) (without"
@@ -331,7 +338,7 @@ def main() -> None:
     results = {
         "meta": {"command": "python benchmarks/convergence.py " + " ".join(sys.argv[1:]),
                  "date": _dt.date.today().isoformat(), "machine": f"{os.cpu_count()}-core CPU ({platform.machine()})",
-                 "dataset": args.dataset, "eval_examples": eval_examples, "plain_defaults": args.plain_defaults,
+                 "dataset": args.dataset, "schedule": args.schedule, "eval_examples": eval_examples, "plain_defaults": args.plain_defaults,
                  "world_size": args.world_size, "seed": args.seed, "steps": args.steps, "batch": args.batch, "max_len": args.max_len,
                  "lr": args.lr, "lamb_lr": args.lamb_lr, "freeze": f, "load_start": load_start,
                  "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "minutes": (time.time() - start) / 60},
