@@ -2,7 +2,7 @@
 
     python benchmarks/convergence.py [--steps 150] [--batch 8] [--world-size 2] [--dataset tweets]
                                      [--freeze-frac auto] [--plain-defaults] [--seed 1]
-                                     [--json docs/img/convergence.json] [--plot-dir docs/img]
+                                     [--json run.json] [--plot-dir plots/]
     python benchmarks/convergence.py --summarize run_seed1.json run_seed2.json run_seed3.json
 
 This is the plain-PyTorch entry point (DDP, the optimizers' constructors, ``hf_onebit.attach``),
