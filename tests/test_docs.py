@@ -302,6 +302,26 @@ def test_the_time_to_accuracy_table_is_the_stored_run():
                 assert number in printed, f"results.md time to accuracy: {row[0]} {number} not in the report"
 
 
+def test_the_plain_pytorch_table_is_the_stored_runs():
+    """results.md's plain-PyTorch accuracy table reprints ``convergence.py --summarize`` of the
+    stored runs (docs/img/plain/<task>_<freeze>_s<seed>.json), column by column."""
+    rows = _table_rows(_text("docs/results.md"), "| method | Rotten Tomatoes, automatic freeze")
+    assert [r[0] for r in rows] == ["1-bit Adam", "0/1 Adam", "1-bit LAMB", "BinSGDM"]
+    columns = [("rotten_tomatoes", "auto"), ("rotten_tomatoes", "20"), ("tweets", "auto"), ("tweets", "20")]
+    for col, (task, freeze) in enumerate(columns, start=1):
+        runs = [f"docs/img/plain/{task}_{freeze}_s{seed}.json" for seed in (1, 2, 3)]
+        report = subprocess.run([sys.executable, "benchmarks/convergence.py", "--summarize", *runs],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert report.returncode == 0, report.stderr[-3000:]
+        for row in rows:
+            if row[col] == "–":  # BinSGDM has no freeze: the 20% columns have no row of it
+                assert row[0] == "BinSGDM" and freeze == "20"
+                continue
+            printed = next(ln for ln in report.stdout.splitlines() if ln.startswith(row[0]))
+            for number in _numbers(row[col].replace("−", "-")):
+                assert number in printed, f"results.md plain PyTorch: {row[0]} {task} {freeze}: {number} not in {printed!r}"
+
+
 def test_the_which_optimizer_table_is_results_figures():
     results = _text("docs/results.md").replace("−", "-")
     for row in _table_rows(_text("docs/getting-started.md"), "| `--optim` |"):
