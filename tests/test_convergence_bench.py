@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.benchmark_scripts import BENCHMARKS as BENCH
+from tests.benchmark_scripts import load_benchmark
+
 sys.path.insert(0, str(BENCH))
 
 from netbench.data import load_task  # noqa: E402
@@ -19,10 +19,7 @@ from netbench.methods import onebit_optimizer  # noqa: E402
 
 @pytest.fixture(scope="module")
 def conv():
-    spec = importlib.util.spec_from_file_location("convergence_bench", BENCH / "convergence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("convergence")
 
 
 def test_tweets_are_the_recipes_split_with_label_indices():

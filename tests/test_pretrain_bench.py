@@ -3,24 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "pretrain.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("pretrain_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_split_tokenizer_blocks_and_unigram_loss(tmp_path):
-    pb = load_script()
+    pb = load_benchmark("pretrain")
 
     # a corpus of 3 classes x 9 articles, written in an order unlike the sorted one
     words = ["market", "shares", "profit", "film", "award", "minister", "vote", "match", "goal", "phone"]

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "time_to_accuracy.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def tta():
-    spec = importlib.util.spec_from_file_location("time_to_accuracy_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("time_to_accuracy")
 
 
 def run(curve, final_accuracy=None, gb=1.0, ratio=1.0, freeze=None):
