@@ -39,6 +39,7 @@ Under ``torch.profiler`` each job is a ``hf_onebit.comm_job`` range.
 from __future__ import annotations
 
 import atexit
+import gc
 import queue
 import threading
 from typing import Any, Callable
@@ -173,6 +174,11 @@ def release_at_exit() -> None:
     atexit handlers run while the interpreter is whole, so the group is torn down here instead.
     Destroying a gloo group is local (no message to the other ranks), so it cannot hang; a group
     with NCCL in it is left to PyTorch (its teardown may wait on peers that crashed).
+
+    Destroying the group only unregisters it: the DDP model still holds it (and its comm hook's
+    Python state), and a model prepared by Accelerate or the Trainer sits in reference cycles
+    that outlive the script. Left alone they are freed during interpreter finalization, the state
+    in which the C++ side can no longer take the GIL. ``gc.collect()`` frees them here instead.
     """
     with _LOCK:
         entries = list(_EXECUTORS.values())
@@ -182,3 +188,4 @@ def release_at_exit() -> None:
             executor.shutdown()
     if dist.is_available() and dist.is_initialized() and "nccl" not in str(dist.get_backend()):
         dist.destroy_process_group()
+    gc.collect()

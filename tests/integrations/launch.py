@@ -34,8 +34,9 @@ class Result:
 def base_env(cpu: bool = True) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                                             "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU")}
+    # PYTHONFAULTHANDLER: a process that aborts (SIGABRT) prints every thread's Python stack
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO), WANDB_DISABLED="true")
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO), WANDB_DISABLED="true", PYTHONFAULTHANDLER="1")
     if cpu:
         env["ACCELERATE_USE_CPU"] = "1"
     return env
