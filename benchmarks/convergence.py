@@ -285,6 +285,7 @@ def main() -> None:
                         help="draws the new head and the batches' order (0: the runs published in docs/)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--lamb-lr", type=float, default=1e-3)
+    parser.add_argument("--binsgdm-lr", type=float, default=None, help="BinSGDM's lr (default: --lr)")
     parser.add_argument("--freeze-frac", default="0.2",
                         help='fraction of the steps before the freeze (and PowerSGD\'s start), or "auto": the'
                              " automatic freeze within 10-40%% of the run (PowerSGD then starts at 20%%)")
@@ -340,7 +341,7 @@ def main() -> None:
                  "date": _dt.date.today().isoformat(), "machine": f"{os.cpu_count()}-core CPU ({platform.machine()})",
                  "dataset": args.dataset, "schedule": args.schedule, "eval_examples": eval_examples, "plain_defaults": args.plain_defaults,
                  "world_size": args.world_size, "seed": args.seed, "steps": args.steps, "batch": args.batch, "max_len": args.max_len,
-                 "lr": args.lr, "lamb_lr": args.lamb_lr, "freeze": f, "load_start": load_start,
+                 "lr": args.lr, "lamb_lr": args.lamb_lr, "binsgdm_lr": args.binsgdm_lr or args.lr, "freeze": f, "load_start": load_start,
                  "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "minutes": (time.time() - start) / 60},
         "methods": out,
     }

@@ -58,6 +58,15 @@ def test_plain_defaults_give_zeroone_adam_the_library_defaults():
     assert plain.defaults["betas"] == user.defaults["betas"]
 
 
+def test_binsgdm_takes_its_own_lr_when_given_one():
+    params = [torch.nn.Parameter(torch.zeros(8))]
+    args = SimpleNamespace(onebit_args=None, steps=150, lr=1e-4, lamb_lr=1e-3, plain_defaults=True)
+    assert onebit_optimizer("binsgdm", params, args, 30).defaults["lr"] == 1e-4  # as before: --lr
+    args.binsgdm_lr = 2e-4
+    assert onebit_optimizer("binsgdm", params, args, 30).defaults["lr"] == 2e-4
+    assert onebit_optimizer("onebit_adam", params, args, 30).defaults["lr"] == 1e-4
+
+
 def report(seed, accs, freeze=30, stats=4.0):
     return {"meta": {"seed": seed, "dataset": "tweets", "steps": 150, "freeze": freeze, "plain_defaults": True,
                      "eval_examples": 900},
