@@ -188,4 +188,4 @@ def release_at_exit() -> None:
             executor.shutdown()
     if dist.is_available() and dist.is_initialized() and "nccl" not in str(dist.get_backend()):
         dist.destroy_process_group()
-    gc.collect()
+        gc.collect()  # only here: an NCCL group's destructor stays where PyTorch puts it
