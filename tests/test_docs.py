@@ -322,6 +322,19 @@ def test_the_plain_pytorch_table_is_the_stored_runs():
                 assert number in printed, f"results.md plain PyTorch: {row[0]} {task} {freeze}: {number} not in {printed!r}"
 
 
+def test_the_plain_binsgdm_at_twice_the_lr_is_the_stored_runs():
+    """results.md's sentence on BinSGDM at lr 2e-4 reprints ``--summarize`` of its stored runs."""
+    results = _text("docs/results.md")
+    for task in ("rotten_tomatoes", "tweets"):
+        runs = [f"docs/img/plain/binsgdm_2e-4_{task}_auto_s{seed}.json" for seed in (1, 2, 3)]
+        report = subprocess.run([sys.executable, "benchmarks/convergence.py", "--summarize", *runs],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert report.returncode == 0, report.stderr[-3000:]
+        printed = next(ln for ln in report.stdout.splitlines() if ln.startswith("BinSGDM"))
+        mean, se = printed.split()[-4:-2]
+        assert f"**{mean}** ({se})" in results, f"BinSGDM at 2e-4 on {task}: {mean} ({se}) not in results.md"
+
+
 def test_the_which_optimizer_table_is_results_figures():
     results = _text("docs/results.md").replace("−", "-")
     for row in _table_rows(_text("docs/getting-started.md"), "| `--optim` |"):
