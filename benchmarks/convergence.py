@@ -316,6 +316,8 @@ def main() -> None:
                 raise ValueError
         except ValueError:
             parser.error(f'--freeze-frac must be a fraction in (0, 1) or "auto", got {args.freeze_frac!r}')
+    if args.binsgdm_lr is None:
+        args.binsgdm_lr = args.lr
     if args.summarize:
         try:
             print(summary_table([json.loads(f.read_text()) for f in args.summarize]))
@@ -341,7 +343,7 @@ def main() -> None:
                  "date": _dt.date.today().isoformat(), "machine": f"{os.cpu_count()}-core CPU ({platform.machine()})",
                  "dataset": args.dataset, "schedule": args.schedule, "eval_examples": eval_examples, "plain_defaults": args.plain_defaults,
                  "world_size": args.world_size, "seed": args.seed, "steps": args.steps, "batch": args.batch, "max_len": args.max_len,
-                 "lr": args.lr, "lamb_lr": args.lamb_lr, "binsgdm_lr": args.binsgdm_lr or args.lr, "freeze": f, "load_start": load_start,
+                 "lr": args.lr, "lamb_lr": args.lamb_lr, "binsgdm_lr": args.binsgdm_lr, "freeze": f, "load_start": load_start,
                  "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "minutes": (time.time() - start) / 60},
         "methods": out,
     }

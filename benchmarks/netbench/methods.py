@@ -291,7 +291,7 @@ def onebit_optimizer(method: str, params, args, freeze: int):
     if method == "onebit_lamb":
         return hf_onebit.OneBitLamb(params, lr=args.lamb_lr, freeze_step=freeze, **extra)
     if method == "binsgdm":  # its vote sends signs only: no scale to take per tensor, no variance to clip by
-        lr = getattr(args, "binsgdm_lr", None) or args.lr  # convergence.py --binsgdm-lr
+        lr = getattr(args, "binsgdm_lr", args.lr)  # convergence.py --binsgdm-lr; network.py has none
         return hf_onebit.BinSGDM(params, lr=lr, **{k: v for k, v in extra.items()
                                                          if k not in ("scale_per_tensor", "update_clip")})
     raise ValueError(method)
