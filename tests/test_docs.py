@@ -302,6 +302,14 @@ def test_the_time_to_accuracy_table_is_the_stored_run():
                 assert number in printed, f"results.md time to accuracy: {row[0]} {number} not in the report"
 
 
+def _summarized(runs: list) -> str:
+    """What ``convergence.py --summarize`` prints for the stored runs."""
+    report = subprocess.run([sys.executable, "benchmarks/convergence.py", "--summarize", *runs],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    return report.stdout
+
+
 def test_the_plain_pytorch_table_is_the_stored_runs():
     """results.md's plain-PyTorch accuracy table reprints ``convergence.py --summarize`` of the
     stored runs (docs/img/plain/<task>_<freeze>_s<seed>.json), column by column."""
@@ -310,14 +318,12 @@ def test_the_plain_pytorch_table_is_the_stored_runs():
     columns = [("rotten_tomatoes", "auto"), ("rotten_tomatoes", "20"), ("tweets", "auto"), ("tweets", "20")]
     for col, (task, freeze) in enumerate(columns, start=1):
         runs = [f"docs/img/plain/{task}_{freeze}_s{seed}.json" for seed in (1, 2, 3)]
-        report = subprocess.run([sys.executable, "benchmarks/convergence.py", "--summarize", *runs],
-                                cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert report.returncode == 0, report.stderr[-3000:]
+        report = _summarized(runs)
         for row in rows:
             if row[col] == "–":  # BinSGDM has no freeze: the 20% columns have no row of it
                 assert row[0] == "BinSGDM" and freeze == "20"
                 continue
-            printed = next(ln for ln in report.stdout.splitlines() if ln.startswith(row[0]))
+            printed = next(ln for ln in report.splitlines() if ln.startswith(row[0]))
             for number in _numbers(row[col].replace("−", "-")):
                 assert number in printed, f"results.md plain PyTorch: {row[0]} {task} {freeze}: {number} not in {printed!r}"
 
@@ -327,10 +333,8 @@ def test_the_plain_binsgdm_at_twice_the_lr_is_the_stored_runs():
     results = _text("docs/results.md")
     for task in ("rotten_tomatoes", "tweets"):
         runs = [f"docs/img/plain/binsgdm_2e-4_{task}_auto_s{seed}.json" for seed in (1, 2, 3)]
-        report = subprocess.run([sys.executable, "benchmarks/convergence.py", "--summarize", *runs],
-                                cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert report.returncode == 0, report.stderr[-3000:]
-        printed = next(ln for ln in report.stdout.splitlines() if ln.startswith("BinSGDM"))
+        report = _summarized(runs)
+        printed = next(ln for ln in report.splitlines() if ln.startswith("BinSGDM"))
         mean, se = printed.split()[-4:-2]
         assert f"**{mean}** ({se})" in results, f"BinSGDM at 2e-4 on {task}: {mean} ({se}) not in results.md"
 

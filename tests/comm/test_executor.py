@@ -109,7 +109,7 @@ def _released_at_exit(rank, world_size):
     assert registered == [ex.release_at_exit], registered
     ex.executor_for(None, total.device)  # a second use registers nothing more
     assert len(registered) == 1
-    # A DDP model in a reference cycle, as Accelerate and the Trainer leave one behind the script;
+    # A DDP model in a reference cycle, as an Accelerate script leaves one behind;
     # with the automatic collector off, only the handler's own collection can free it.
     gc.disable()
     model = DDP(torch.nn.Linear(2, 2))
