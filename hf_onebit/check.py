@@ -53,6 +53,7 @@ class Report:
         self.quiet = quiet
         self.ran: dict = {}  # where -> the parts that ran there, in order
         self.failures: list = []  # (what, detail) of each FAIL line, printed or not
+        self.kernels: list = []  # the speed part's timings (check_speed), for --json
 
     def line(self, what: str, status: str, detail: str, where: str | None = None) -> None:
         if status == "FAIL":
@@ -192,6 +193,8 @@ def check_speed(device: torch.device, size: int, report: Report, repeats: int = 
         "unpack_scaled": lambda: kernels.unpack_scaled(bits.reshape(1, -1), one, out),
     }
     seconds = {k: _median_time(fn, device, repeats if device.type == "cuda" else 5) for k, fn in operations.items()}
+    # what `--json` writes, and `hf-onebit estimate --kernels-from` reads (milliseconds per call)
+    report.kernels = [{"dtype": "float32", "op": k, "numel": size, "ms": 1e3 * v} for k, v in seconds.items()]
     status, detail, shares = judge_speed(seconds, size, padded, device.type)
     report.line("speed", status, detail, where=str(device))
     return shares
@@ -620,6 +623,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a rank waits for the others in a collective (the process group's timeout)")
     parser.add_argument("--no-train", action="store_true", help="only the kernels and their speed")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the speed part's timings here (what `hf-onebit estimate --kernels-from` reads)")
     args = parser.parse_args(argv)
     if args.size is not None and args.size < 1:
         parser.error(f"--size must be a positive number of elements, got {args.size}")
@@ -662,6 +667,12 @@ def main(argv=None) -> int:
         report.line("syncs", "skip", "host syncs are a CUDA matter; nothing to check on CPU")
     if args.no_train:
         report.line("train", "skip", "not asked for (--no-train)")
+    if rank0 and args.json:
+        import json
+
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"device": here, "torch": torch.__version__, "kernels": report.kernels}, f, indent=1)
+        print(f"wrote {args.json} (kernel timings; hf-onebit estimate --kernels-from {args.json})", flush=True)
     if rank0:
         print("verdict: " + report.verdict(), flush=True)
     return 0 if not report.failed else 1
