@@ -201,17 +201,41 @@ def render(points: list[Point], kernels: Kernels) -> str:
     return "\n".join(out + [""] + summary(points))
 
 
+def markdown(points: list[Point]) -> str:
+    """The throttled points as one row per run and rate, one column per method (compressed / warmup)."""
+    cols = [m for m in MODELLED if any(p.method == m for p in points)]
+    names = {"adamw": "AdamW", "powersgd": "PowerSGD", "onebit_adam": "1-bit Adam", "zeroone_adam": "0/1 Adam",
+             "onebit_lamb": "1-bit LAMB", "binsgdm": "BinSGDM"}
+    out = ["| run | rate | layout | compute ms | " + " | ".join(names[m] for m in cols) + " |",
+           "|---|---|---|---|" + "---|" * len(cols)]
+    keys = list(dict.fromkeys((p.file, p.rate) for p in points if p.throttled))
+    for file, rate in keys:
+        mine = [p for p in points if (p.file, p.rate) == (file, rate)]
+        cells = []
+        for m in cols:
+            errs = [f"{100 * p.error:+.0f}%" for phase in ("step", "compressed", "warmup")
+                    for p in mine if p.method == m and p.phase == phase]
+            cells.append(" / ".join(errs).replace("-", "−") or "–")
+        out.append(f"| `{file}` | {rate} | {mine[0].layout} | {mine[0].compute_ms:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(out + [""] + summary(points))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--img", type=Path, default=REPO / "docs" / "img")
     parser.add_argument("--kernels-from", type=Path, default=REPO / "docs" / "img" / "kernels_cpu.json")
     parser.add_argument("--json", type=Path, default=None, help="also write every point here")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the throttled points' errors as one table row per run and rate (docs/cost-model.md)")
     args = parser.parse_args(argv)
-    kernels = Kernels.load(str(args.kernels_from))
+    path = args.kernels_from.resolve()
+    kernels = Kernels.load(str(path))
+    if path.is_relative_to(REPO):  # the same text wherever it runs from
+        kernels.source = kernels.source.replace(str(path), str(path.relative_to(REPO)))
     points = collect(args.img, kernels)
     if not points:
         raise SystemExit(f"no stored runs under {args.img} ({', '.join(RUNS)})")
-    print(render(points, kernels))
+    print(markdown(points) if args.markdown else render(points, kernels))
     if args.json:
         args.json.write_text(json.dumps([asdict(p) for p in points], indent=1))
     return 0
