@@ -231,3 +231,18 @@ def test_the_validation_prints_the_errors_of_the_stored_runs(tmp_path, capsys):
     assert f"throttled points within ±25%: {len(ok)} of {len(throttled)}" in printed
     assert len({p["rate"] for p in ok}) >= 3 and len({p["layout"] for p in ok}) >= 2
     assert not math.isnan(sum(p["error"] for p in points))
+
+
+def test_the_cost_model_page_reprints_both_commands(capsys):
+    """docs/cost-model.md: the example's output and the validation table are the commands' own."""
+    page = (REPO / "docs/cost-model.md").read_text()
+    assert est.main(["--params", "7e9", "--gpus", "16", "--nodes", "2", "--link", "100gbit", "--step-ms", "850"]) == 0
+    for line in capsys.readouterr().out.splitlines():
+        assert line in page, line
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import estimate_check
+
+    estimate_check.main(["--markdown"])
+    lines = capsys.readouterr().out.splitlines()
+    for line in lines[: lines.index("") + 3]:  # the table and the two summary lines
+        assert line in page, line
