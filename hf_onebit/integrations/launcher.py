@@ -28,6 +28,7 @@ usage: hf-onebit run SCRIPT.py [ARGS ...]
        python -m hf_onebit.run SCRIPT.py [ARGS ...]
        hf-onebit config --list | NAME [--write PATH]
        hf-onebit check [--device cpu|cuda] [--no-train]
+       hf-onebit from-deepspeed DS_CONFIG.json
 
 run:    runs an unmodified transformers/accelerate script in this process with --optim onebit_adam,
         zeroone_adam, onebit_lamb and binsgdm available to the stock TrainingArguments and Trainer.
@@ -39,6 +40,8 @@ config: prints one of the Accelerate launch configs shipped with hf_onebit (--li
         or writes it to PATH.
 check:  the self-check to run first: kernels bit for bit against the reference, their speed against
         copy_, a few DDP steps of each optimizer, host syncs on CUDA; prints a verdict.
+from-deepspeed: converts a DeepSpeed config of OneBitAdam, ZeroOneAdam or OneBitLamb: prints the --optim and
+        --optim_args for the launcher, the constructor call, and every difference from DeepSpeed.
 
 Started without the launcher, a stock script says
   error: argument --optim: invalid choice: 'onebit_adam' (choose from ...)
@@ -153,7 +156,7 @@ def config(argv: list) -> None:
 
 
 def main(argv=None) -> None:
-    """The ``hf-onebit`` console script: ``run``, ``config`` and ``check``."""
+    """The ``hf-onebit`` console script: ``run``, ``config``, ``check`` and ``from-deepspeed``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -165,6 +168,10 @@ def main(argv=None) -> None:
         from hf_onebit.check import main as check
 
         raise SystemExit(check(argv[1:]))
+    if argv[0] == "from-deepspeed":
+        from hf_onebit.integrations.deepspeed_config import main as from_deepspeed
+
+        raise SystemExit(from_deepspeed(argv[1:]))
     if argv[0] != "run":
         raise SystemExit(f"hf-onebit: unknown command {argv[0]!r}\n\n{USAGE}")
     run(argv[1:])
