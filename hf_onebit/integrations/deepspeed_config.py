@@ -489,26 +489,57 @@ def load(path: str) -> dict:
         raise ConversionError(f"{path} is not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from exc
 
 
+WIDTH = 100  # the printed lines: commands wrapped where bash and Python allow, notes as paragraphs
+
+
+def _shell_lines(args: list[str]) -> str:
+    """The launcher's arguments, quoted, over lines of at most :data:`WIDTH` joined by `` \\``."""
+    quoted = [f'"{a}"' if "," in a or "=" in a else a for a in args]
+    words = []  # a flag with its value: never split between lines
+    for w in quoted:
+        if words and not w.startswith("--") and words[-1].startswith("--") and " " not in words[-1]:
+            words[-1] = f"{words[-1]} {w}"
+        else:
+            words.append(w)
+    lines, line = [], ""
+    for w in words:
+        if line and len(line) + 1 + len(w) > WIDTH - 4:
+            lines.append(line)
+            line = w
+        else:
+            line = f"{line} {w}" if line else w
+    lines.append(line)
+    return " \\\n    ".join(lines)
+
+
 def report(conv: Conversion, path: str) -> str:
     """What the command prints."""
+    import textwrap
+
+    def call(text: str) -> str:  # breaks after commas inside the parentheses: still valid Python
+        return textwrap.fill(text, WIDTH, initial_indent="  ", subsequent_indent="      ", break_long_words=False,
+                             break_on_hyphens=False)
+
     lines = [
         f"{path}: DeepSpeed {conv.deepspeed_type} -> hf_onebit.{conv.cls_name}, reproducing DeepSpeed's behaviour",
         "",
         "HF Trainer (hf-onebit run / -m hf_onebit.run SCRIPT.py ...):",
-        f"  {conv.launcher_line()}",
+        f"  {_shell_lines(conv.launcher_args())}",
         "",
         "Plain PyTorch (DDP, then hf_onebit.attach(ddp, opt)):",
-        f"  {conv.constructor_call()}",
+        call(conv.constructor_call()),
         "",
         "Differences from DeepSpeed, key by key:",
     ]
-    lines += [f"  - {text}" for _, text in conv.notes]
+    lines += [textwrap.fill(text, WIDTH, initial_indent="  - ", subsequent_indent="    ", break_long_words=False,
+                            break_on_hyphens=False) for _, text in conv.notes]
     lines += [
         "",
-        "Or hf_onebit's library defaults (automatic freeze, 8-bit warmup, update_clip=1.0, one scale per tensor"
-        + ("" if conv.cls_name == "OneBitLamb" else ", bias correction") + "), with DeepSpeed's hyperparameters:",
-        f"  {conv.launcher_line(library=True)}",
-        f"  {conv.constructor_call(library=True)}",
+        textwrap.fill("Or hf_onebit's library defaults (automatic freeze, 8-bit warmup, update_clip=1.0, one scale per"
+                      " tensor" + ("" if conv.cls_name == "OneBitLamb" else ", bias correction")
+                      + "), with DeepSpeed's hyperparameters:", WIDTH),
+        f"  {_shell_lines(conv.launcher_args(library=True))}",
+        call(conv.constructor_call(library=True)),
     ]
     return "\n".join(lines)
 
