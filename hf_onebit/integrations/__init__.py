@@ -20,6 +20,9 @@ module         what it holds
 ``patch``      the one place transformers is patched (for unmodified scripts)
 ``launcher``   ``python -m hf_onebit.run`` / ``hf-onebit run``; ``hf-onebit config`` (the launch
                configs shipped in ``configs/``)
+``deepspeed_config`` ``hf-onebit from-deepspeed``: a DeepSpeed 1-bit optimizer config as launcher
+               flags and a constructor call, with every difference (needs no transformers)
+``deepspeed_checkpoint`` a DeepSpeed 1-bit Adam / LAMB stage-0 checkpoint's moments, loaded
 ============== ==========================================================================
 
 Nothing here is imported by ``import hf_onebit``; transformers is imported on first use.

@@ -100,9 +100,10 @@ def deepspeed_message() -> str:
     return (
         "hf_onebit does not support DeepSpeed (ZeRO or otherwise): it works on plain PyTorch DDP. Drop"
         " --deepspeed / `distributed_type: DEEPSPEED` and launch with plain DDP (e.g."
-        " the shipped config single_node_multi_gpu: `hf-onebit config single_node_multi_gpu --write ddp.yaml`),"
-        " or use DeepSpeed's own OneBitAdam / ZeroOneAdam /"
-        " OneBitLamb with ZeRO stage 0 (DeepSpeed <= 0.19.6) instead of hf_onebit."
+        " the shipped config single_node_multi_gpu: `hf-onebit config single_node_multi_gpu --write ddp.yaml`)"
+        " and --optim onebit_adam / zeroone_adam / onebit_lamb. Coming from DeepSpeed's own 1-bit optimizers (the last"
+        " release with them was 0.19.6): `hf-onebit from-deepspeed ds_config.json` prints the equivalent --optim"
+        " and --optim_args (the user guide, 'Coming from DeepSpeed')."
     )
 
 

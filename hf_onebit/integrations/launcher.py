@@ -29,6 +29,7 @@ usage: hf-onebit run SCRIPT.py [ARGS ...]
        hf-onebit config --list | NAME [--write PATH]
        hf-onebit check [--device cpu|cuda] [--no-train] [--json PATH]
        hf-onebit estimate --params 7e9 --gpus 16 --nodes 2 --link 100gbit --step-ms 850
+       hf-onebit from-deepspeed DS_CONFIG.json
 
 run:    runs an unmodified transformers/accelerate script in this process with --optim onebit_adam,
         zeroone_adam, onebit_lamb and binsgdm available to the stock TrainingArguments and Trainer.
@@ -42,6 +43,8 @@ check:  the self-check to run first: kernels bit for bit against the reference, 
         copy_, a few DDP steps of each optimizer, host syncs on CUDA; prints a verdict.
 estimate: the cost model: bytes and step time of AdamW, PowerSGD and each optimizer, flat and by
         node, warmup and compressed phases, the whole run (docs/cost-model.md; --help: the flags).
+from-deepspeed: converts a DeepSpeed config of OneBitAdam, ZeroOneAdam or OneBitLamb: prints the --optim and
+        --optim_args for the launcher, the constructor call, and every difference from DeepSpeed.
 
 Started without the launcher, a stock script says
   error: argument --optim: invalid choice: 'onebit_adam' (choose from ...)
@@ -156,7 +159,7 @@ def config(argv: list) -> None:
 
 
 def main(argv=None) -> None:
-    """The ``hf-onebit`` console script: ``run``, ``config``, ``check`` and ``estimate``."""
+    """The ``hf-onebit`` console script: ``run``, ``config``, ``check``, ``estimate`` and ``from-deepspeed``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -172,6 +175,10 @@ def main(argv=None) -> None:
         from hf_onebit.estimate import main as estimate
 
         raise SystemExit(estimate(argv[1:]))
+    if argv[0] == "from-deepspeed":
+        from hf_onebit.integrations.deepspeed_config import main as from_deepspeed
+
+        raise SystemExit(from_deepspeed(argv[1:]))
     if argv[0] != "run":
         raise SystemExit(f"hf-onebit: unknown command {argv[0]!r}\n\n{USAGE}")
     run(argv[1:])

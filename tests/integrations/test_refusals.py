@@ -32,10 +32,10 @@ def test_fsdp_is_refused_naming_plain_ddp(tmp_path):
         _args(tmp_path, fsdp="full_shard")
 
 
-def test_deepspeed_is_refused_naming_deepspeeds_own_optimizers(tmp_path):
+def test_deepspeed_is_refused_naming_plain_ddp_and_the_converter(tmp_path):
     from hf_onebit.integrations.checks import UnsupportedSetup
 
-    with pytest.raises(UnsupportedSetup, match="does not support DeepSpeed.*plain DDP.*OneBitAdam.*ZeRO stage 0"):
+    with pytest.raises(UnsupportedSetup, match="does not support DeepSpeed.*plain DDP.*hf-onebit from-deepspeed"):
         _args(tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
 
 
