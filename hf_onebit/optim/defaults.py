@@ -72,14 +72,14 @@ _SPEC = dict(scale_per_tensor=False, update_clip=None, warmup_bits=None)
 #: the measured defaults, by optimizer class
 LIBRARY: dict[str, dict] = {
     "OneBitAdam": dict(freeze_step="auto", **_ADAM_LIKE),
-    "OneBitLamb": dict(freeze_step="auto", **_ADAM_LIKE),
+    "OneBitLamb": dict(freeze_step="auto", bias_correction=True, **_ADAM_LIKE),
     "ZeroOneAdam": dict(var_freeze_step="auto", clip_synced_momentum=False, var_update_scaler=None, **_ADAM_LIKE),
 }
 
 #: the papers' (the spec's) values of the same arguments
 PAPER: dict[str, dict] = {
     "OneBitAdam": dict(freeze_step=100000, **_SPEC),
-    "OneBitLamb": dict(freeze_step=100000, **_SPEC),
+    "OneBitLamb": dict(freeze_step=100000, bias_correction=False, **_SPEC),
     "ZeroOneAdam": dict(var_freeze_step=100000, clip_synced_momentum=True, var_update_scaler=16, **_SPEC),
 }
 

@@ -17,7 +17,7 @@ from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.tensors import logical, update_in_fp32_
 from hf_onebit.optim.update_clip import check_update_clip, clip_root_, clip_roots_
-from hf_onebit.optim.validation import check_warmup_bits
+from hf_onebit.optim.validation import check_bool, check_warmup_bits
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -150,17 +150,20 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         update_clip: float | None = LIBRARY_DEFAULT,
         hierarchical: bool | None = False,
         warmup_bits: int | None = LIBRARY_DEFAULT,
+        bias_correction: bool = LIBRARY_DEFAULT,
         defaults: str = "library",
         total_steps: int | None = None,
     ) -> None:
         # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
-        freeze_step, scale_per_tensor, update_clip, warmup_bits = resolve_defaults(
+        freeze_step, scale_per_tensor, update_clip, warmup_bits, bias_correction = resolve_defaults(
             "OneBitLamb", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip,
-            warmup_bits=warmup_bits
+            warmup_bits=warmup_bits, bias_correction=bias_correction,
         ).values()
         self.init_freeze(freeze_step, "freeze_step", total_steps)
         self.update_clip = check_update_clip(update_clip)
         self.warmup_bits = check_warmup_bits(warmup_bits)
+        check_bool(bias_correction, "bias_correction")
+        self.bias_correction = bias_correction
         group_defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, Sequence) else betas, eps=eps,
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
@@ -210,6 +213,16 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
 
     def phase(self) -> str:
         return "warmup" if self.steps_done + 1 <= self.freeze_step else "compression"
+
+    def _corrections(self, group: dict) -> tuple[float, float, float] | None:
+        """With ``bias_correction``, the step's ``(1/(1−β1^t), 1/sqrt(1−β2^k), 1/sqrt(1−β2^t))``:
+        the momentum's correction, the variance's (``k = min(t, freeze_step)``: frozen with it)
+        and the fresh variance's (a copy of ``v`` at the freeze that goes on averaging); else ``None``."""
+        if not self.bias_correction:
+            return None
+        beta1, beta2 = group["betas"]
+        t = self.steps_done + 1
+        return 1 / (1 - beta1**t), 1 / math.sqrt(1 - beta2 ** max(1, min(t, self.freeze_step))), 1 / math.sqrt(1 - beta2**t)
 
     # ---------------------------------------------------------------- the hook side
     def _scaling(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -264,7 +277,11 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         m.mul_(beta1).add_(grad, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         pf = p if p.dtype == torch.float32 else p.float()
-        u = m / v.sqrt().add_(group["eps"])
+        bc = self._corrections(group)
+        if bc is None:
+            u = m / v.sqrt().add_(group["eps"])
+        else:  # m̂/(sqrt(v̂) + eps)
+            u = (m * bc[0]).div_(v.sqrt().mul_(bc[1]).add_(group["eps"]))
         if group["weight_decay"]:
             u.add_(pf, alpha=group["weight_decay"])
         return pf, u
@@ -276,7 +293,10 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         c = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
         cb = group["coeff_beta"]
         frozen = state["coeff_frozen"]
-        frozen.copy_(torch.where(c != 1, frozen * cb + (1 - cb) * c, frozen))
+        average = frozen * cb + (1 - cb) * c
+        if self.bias_correction:  # the average starts at the first ratio, not at 0
+            average = torch.where(frozen == 0, c, average)
+        frozen.copy_(torch.where(c != 1, average, frozen))
         self._apply_update(p, u, c, group["lr"])
 
     def _compression_direction(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, synced: bool,
@@ -297,10 +317,15 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         g_rec = torch.sub(new_m, m, alpha=beta1, out=ws.get(1, p)).div_(1 - beta1)  # (m − β1·m_prev)/(1−β1)
         m.copy_(new_m)
         v_fresh.mul_(beta2).addcmul_(g_rec, g_rec, value=1 - beta2)
+        bc = self._corrections(group)
         root = torch.sqrt(v, out=ws.get(0, p))
+        fresh = torch.sqrt(v_fresh, out=ws.get(1, p))
+        if bc is not None:  # m̂, sqrt(v̂), sqrt(v̂_fresh)
+            m = m * bc[0]
+            root.mul_(bc[1])
+            fresh.mul_(bc[2])
         denom = torch.add(root, eps, out=ws.get(2, p))  # sqrt(v) + eps
-        fresh = torch.sqrt(v_fresh, out=ws.get(1, p)).add_(eps)
-        ratios = torch.div(denom, fresh, out=fresh)
+        ratios = torch.div(denom, fresh.add_(eps), out=fresh)
         # an empty shard (FSDP2) has no ratio: 0 leaves the maximum over the other shards
         factor = ratios.max() if ratios.numel() else torch.zeros((), dtype=torch.float32, device=p.device)
         if self.update_clip is not None:  # |m/denom| <= update_clip
@@ -368,11 +393,16 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
         pf = self._fp32_params(chunk)
         root, u = chunk.scratch(0), chunk.scratch(1)
+        bc = self._corrections(group)
         torch._foreach_copy_(root, v)
         torch._foreach_sqrt_(root)
+        if bc is not None:
+            torch._foreach_mul_(root, bc[1])
         torch._foreach_add_(root, group["eps"])
         torch._foreach_copy_(u, m)
         torch._foreach_div_(u, root)  # u = m / (sqrt(v) + eps)
+        if bc is not None:
+            torch._foreach_mul_(u, bc[0])  # u = m̂ / (sqrt(v̂) + eps)
         if group["weight_decay"]:
             torch._foreach_add_(u, pf, alpha=group["weight_decay"])
         w_norm = torch.stack(torch._foreach_norm(pf))
@@ -382,7 +412,10 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         cb = group["coeff_beta"]
         frozen_list = chunk.state("coeff_frozen")
         frozen = torch.stack(frozen_list)
-        new_frozen = torch.where(c != 1, frozen * cb + (1 - cb) * c, frozen)
+        average = frozen * cb + (1 - cb) * c
+        if self.bias_correction:  # the average starts at the first ratio, not at 0
+            average = torch.where(frozen == 0, c, average)
+        new_frozen = torch.where(c != 1, average, frozen)
         if ok is not None:
             new_frozen, c = torch.where(ok, new_frozen, frozen), c * ok.float()
         torch._foreach_copy_(frozen_list, list(new_frozen.unbind()))
@@ -422,9 +455,14 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 select_(m, new_m, ok)
             torch._foreach_mul_(v_fresh, masked_factor(beta2, ok))
         torch._foreach_addcmul_(v_fresh, g_rec, g_rec, value=1 - beta2)
+        bc = self._corrections(group)
         root = torch._foreach_sqrt(v)
-        denom = torch._foreach_add(root, eps)  # sqrt(v) + eps
         fresh = torch._foreach_sqrt(v_fresh)
+        if bc is not None:  # m̂, sqrt(v̂), sqrt(v̂_fresh)
+            m = torch._foreach_mul(m, bc[0])
+            torch._foreach_mul_(root, bc[1])
+            torch._foreach_mul_(fresh, bc[2])
+        denom = torch._foreach_add(root, eps)  # sqrt(v) + eps
         torch._foreach_add_(fresh, eps)
         factor = torch.stack(torch._foreach_max(torch._foreach_div(denom, fresh)))
         if self.update_clip is not None:  # |m/denom| <= update_clip

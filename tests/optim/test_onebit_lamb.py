@@ -47,8 +47,12 @@ class OneBitLambSimulation:
                  freeze_step=100000, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
                  factor_min=0.5, factor_threshold=0.1, auto_mask=True, use_scaling=True,
                  scale_per_tensor=False, update_clip=None, nodes=None, groups=None, warmup_bits=None,
-                 warmup_layouts=None):
+                 warmup_layouts=None, bias_correction=False):
         self.clip = update_clip
+        # hf_onebit's option: LAMB on Adam's bias-corrected moments m̂ = m/(1−β1^t), v̂ = v/(1−β2^t)
+        # (v̂ frozen at the freeze step, the fresh variance corrected at t), the trust-ratio
+        # average starting at the first ratio instead of 0
+        self.bias_correction = bias_correction
         # hf_onebit's option: the warmup's gradient exchanged at warmup_bits (spec §1b)
         self.warmup = WarmupExchange([np.asarray(x).size for x in params], n, warmup_bits, warmup_layouts,
                                      scale_per_tensor)  # hf_onebit's option: m/(max(sqrt(v), |m|/c) + eps) after the freeze
@@ -89,7 +93,10 @@ class OneBitLambSimulation:
                 self.seen[k] |= g != 0
                 self.m[k] = (b1 * self.m[k] + (1 - b1) * g).astype(np.float32)
                 self.v[k] = (b2 * self.v[k] + (1 - b2) * g * g).astype(np.float32)
-                u[k] = (self.m[k] / (np.sqrt(self.v[k]) + np.float32(eps)) + np.float32(wd) * self.p[k]).astype(np.float32)
+                m_hat, v_hat = self.m[k], self.v[k]
+                if self.bias_correction:
+                    m_hat, v_hat = m_hat / (1 - b1 ** t), v_hat / (1 - b2 ** t)
+                u[k] = (m_hat / (np.sqrt(v_hat) + np.float32(eps)) + np.float32(wd) * self.p[k]).astype(np.float32)
             for group in self.groups:
                 wn, un = _group_norm([self.p[k] for k in group]), _group_norm([u[k] for k in group])
                 c = 1.0
@@ -100,7 +107,9 @@ class OneBitLambSimulation:
                     if c != ratio:
                         self.binds["coeff_max" if ratio > self.max_coeff else "coeff_min"] += 1
                 for k in group:
-                    if c != 1:
+                    if c != 1 and self.bias_correction and self.c_frozen[k] == 0:
+                        self.c_frozen[k] = c
+                    elif c != 1:
                         self.c_frozen[k] = self.coeff_beta * self.c_frozen[k] + (1 - self.coeff_beta) * c
                     self.p[k] = (self.p[k] - np.float32(self.lr * c) * u[k]).astype(np.float32)
                     if t == self.F:
@@ -137,17 +146,21 @@ class OneBitLambSimulation:
         for k in range(K):
             g_rec = ((self.m[k] - b1 * m_prev[k]) / (1 - b1)).astype(np.float32)
             self.v_fresh[k] = (b2 * self.v_fresh[k] + (1 - b2) * g_rec * g_rec).astype(np.float32)
-            denom = (np.sqrt(self.v[k]) + np.float32(eps)).astype(np.float32)
-            prelim = (self.m[k] / denom).astype(np.float32)
+            m_hat, v_hat, v_fresh_hat = self.m[k], self.v[k], self.v_fresh[k]
+            if self.bias_correction:
+                m_hat = m_hat / (1 - b1 ** t)
+                v_hat, v_fresh_hat = v_hat / (1 - b2 ** self.F), v_fresh_hat / (1 - b2 ** t)
+            denom = (np.sqrt(v_hat) + np.float32(eps)).astype(np.float32)
+            prelim = (m_hat / denom).astype(np.float32)
             if self.clip is not None:
-                root = np.maximum(np.sqrt(self.v[k]), np.abs(self.m[k]) / np.float32(self.clip))
-                clipped_prelim = (self.m[k] / (root + np.float32(eps))).astype(np.float32)
+                root = np.maximum(np.sqrt(v_hat), np.abs(m_hat) / np.float32(self.clip))
+                clipped_prelim = (m_hat / (root + np.float32(eps))).astype(np.float32)
                 self.binds["update_clip"] += int(np.sum(clipped_prelim != prelim))
                 prelim = clipped_prelim
                 assert np.abs(prelim).max(initial=0) <= self.clip * (1 + 1e-6)
             prelims[k] = prelim
             u[k] = (prelim + np.float32(wd) * self.p[k]).astype(np.float32)
-            fmax[k] = float(np.max(denom / (np.sqrt(self.v_fresh[k]) + np.float32(eps)), initial=0.0))
+            fmax[k] = float(np.max(denom / (np.sqrt(v_fresh_hat) + np.float32(eps)), initial=0.0))
         factors = []
         for group in self.groups:
             f = max(fmax[k] for k in group)
@@ -284,6 +297,25 @@ def test_update_clip_matches_its_simulation_and_binds():
     assert sim.binds["update_clip"] > 0, sim.binds  # the bound changed some coordinates' updates
     _, unclipped = _simulate(2, segments, dict(kwargs, update_clip=None), steps)
     assert any(not np.allclose(a, b) for a, b in zip(unclipped[-1], expected[-1]))
+
+
+def test_bias_correction_matches_its_simulation_with_the_update_clip():
+    """bias_correction=True (the library default) with the update clip: LAMB on m̂ and v̂, the
+    clip and the factor on the corrected moments, the trust-ratio average from the first ratio."""
+    name, kwargs, steps = CONFIGS[0]
+    kwargs = dict(kwargs, scale_per_tensor=True, update_clip=0.5, bias_correction=True)
+    outs = run_distributed(_train_many, 2, [(kwargs, steps, {})])
+    runs = [o[0] for o in outs]
+    segments = runs[0]["segments"]
+    sim, expected = _simulate(2, segments, kwargs, steps)
+    for step in range(steps):
+        for r in range(2):
+            for got, want in zip(runs[r]["history"][step], expected[step]):
+                _assert_close(got.numpy(), want)
+    assert sim.binds["update_clip"] > 0, sim.binds
+    _, uncorrected = _simulate(2, segments, dict(kwargs, bias_correction=False), steps)
+    assert any(not np.allclose(a, b, rtol=1e-4) for a, b in zip(uncorrected[-1], expected[-1]))
+    assert all(c > 0 for c in sim.c_frozen)
 
 
 def test_update_clip_is_validated():
