@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 8 recipes/ddp_gpu.py            # one node, 8 GPUs
     torchrun --nproc-per-node 2 recipes/ddp_gpu.py            # no CUDA: 2 CPU processes over gloo
+    torchrun --nnodes 2 --nproc-per-node 8 ... recipes/ddp_gpu.py --hierarchical   # by node (docs/multi-node.md)
 
 Without CUDA it falls back to gloo and CPU tensors, so the same file runs anywhere (the test suite
 runs it on 2 CPU processes). A small classification task is built here from a seeded random
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="examples per rank per step")
     parser.add_argument("--examples", type=int, default=8192, help="training examples (1,024 more for dev)")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--hierarchical", action="store_true",
+                        help="the exchange by node: fp32 inside a node, 1 bit between nodes (needs several nodes)")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -60,7 +63,8 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
                                 torch.nn.GELU(), torch.nn.Linear(256, 8)).to(device)
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=args.lr, total_steps=total_steps)
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=args.lr, total_steps=total_steps,
+                                 hierarchical=args.hierarchical)
     ddp = DDP(model, device_ids=[local_rank] if cuda else None)
     hf_onebit.attach(ddp, opt)  # after DDP, before the first backward
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total_steps)  # decay to 0
@@ -88,6 +92,8 @@ def main() -> None:
         print(f"dev accuracy {accuracy:.4f}  warmup ended after step {opt.freeze_step}")
         print(f"sent {s['bytes_sent']:,} B per rank; an fp32 all-reduce would have sent"
               f" {s['fp32_allreduce_bytes']:,} B ({s['compression_ratio']:.1f}x)", flush=True)
+        if args.hierarchical:
+            print(f"of which between nodes {s['inter_node_bytes_sent']:,} B", flush=True)
     dist.destroy_process_group()
 
 
