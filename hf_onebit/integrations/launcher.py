@@ -27,7 +27,7 @@ usage: hf-onebit run SCRIPT.py [ARGS ...]
        hf-onebit run -m MODULE [ARGS ...]
        python -m hf_onebit.run SCRIPT.py [ARGS ...]
        hf-onebit config --list | NAME [--write PATH]
-       hf-onebit check [--device cpu|cuda] [--no-train]
+       hf-onebit check [--device cpu|cuda[:k]] [--size N] [--steps N] [--timeout S] [--no-train]
 
 run:    runs an unmodified transformers/accelerate script in this process with --optim onebit_adam,
         zeroone_adam, onebit_lamb and binsgdm available to the stock TrainingArguments and Trainer.
