@@ -1,14 +1,17 @@
 """hf_onebit: communication-compressed optimizers for stock PyTorch DDP and Hugging Face.
 
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-4, freeze_step=400)
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-4, total_steps=num_steps)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     hf_onebit.attach(ddp, opt)
+
+``total_steps`` fits the automatic freeze (``freeze_step="auto"``, the default) to the run: the
+warmup ends within 10-40% of it (without it, by step 1000; or ``opt.fit_to_run(lr_scheduler)``).
 
 With FSDP2, shard inside a replica and exchange between replicas (``hf_onebit.hook.fsdp``)::
 
     mesh = hf_onebit.replica_mesh(shard_size=1)   # or the ranks of a node
     fully_shard(model, mesh=mesh["shard"])
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-4, freeze_step=400)
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-4, total_steps=num_steps)
     hf_onebit.attach(model, opt)
     hf_onebit.save_sharded(opt, "ckpt/optimizer")   # a distributed checkpoint (hf_onebit.sharded_checkpoint)
 

@@ -44,7 +44,7 @@ from tests.integrations.launch import REPO, base_env, run
 DOCS = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
 #: the pages whose blocks run (README.md in the fast suite, the others in the slow one)
 PAGES = ["README.md", "docs/getting-started.md", "docs/integrations.md", "docs/troubleshooting.md", "docs/api.md",
-         "docs/cost-model.md", "docs/deepspeed.md"]
+         "docs/cost-model.md", "docs/deepspeed.md", "docs/multi-node.md"]
 MARKER = re.compile(r"^<!--\s*doctest:\s*(run|file|skip|output)\b(.*?)-->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 #: the line budget of the user docs, and of the results page

@@ -1,4 +1,4 @@
-"""The compressed all-reduce of spec §1: signs plus one scale, error feedback on both sides.
+"""The compressed all-reduce (docs/algorithms.md): signs plus one scale, error feedback on both sides.
 
 For a flat buffer ``x_i`` on each of ``n`` ranks, padded (virtually) with zeros to ``L``, a
 multiple of ``8·n``, and split into ``n`` chunks of ``C = L / n`` elements::

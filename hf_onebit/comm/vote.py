@@ -1,4 +1,4 @@
-"""The vote exchange of BinSGDM (spec §5): every rank's 1-bit votes to every rank, averaged.
+"""The vote exchange of BinSGDM (docs/algorithms.md, "BinSGDM"): every rank's 1-bit votes to every rank, averaged.
 
 Each rank holds one vote ``q_i ∈ {-1, +1}`` per coordinate (a bool vector, ``True`` = +1) and
 a validity flag; every rank ends with the same average ``q̄ = mean_i q_i`` and the same verdict

@@ -13,7 +13,7 @@ import torch
 from hf_onebit.comm import runs_inline
 from hf_onebit.comm.compat import all_gather_bytes
 from hf_onebit.kernels.selftest import self_test
-from hf_onebit.optim import OneBitOptimizer
+from hf_onebit.optim import BinSGDM, OneBitOptimizer
 from hf_onebit.optim.base import logger
 from hf_onebit.refusals import check_sparse
 
@@ -53,9 +53,11 @@ def create_node_groups(optimizer: OneBitOptimizer) -> None:
         return
     nodes.create_groups()
     if optimizer.rank == 0:
+        inside = ("every rank's votes gathered inside a node" if isinstance(optimizer, BinSGDM)
+                  else "full precision inside a node")
         logger.warning(
-            "hf_onebit %s: exchange by node, %d nodes of %d ranks: full precision inside a node,"
-            " 1 bit between nodes", type(optimizer).__name__, nodes.nodes, nodes.local_size,
+            "hf_onebit %s: exchange by node, %d nodes of %d ranks: %s, 1 bit between nodes",
+            type(optimizer).__name__, nodes.nodes, nodes.local_size, inside,
         )
 
 

@@ -27,7 +27,7 @@ usage: hf-onebit run SCRIPT.py [ARGS ...]
        hf-onebit run -m MODULE [ARGS ...]
        python -m hf_onebit.run SCRIPT.py [ARGS ...]
        hf-onebit config --list | NAME [--write PATH]
-       hf-onebit check [--device cpu|cuda] [--no-train] [--json PATH]
+       hf-onebit check [--device cpu|cuda[:k]] [--size N] [--steps N] [--timeout S] [--no-train] [--json PATH]
        hf-onebit estimate --params 7e9 --gpus 16 --nodes 2 --link 100gbit --step-ms 850
        hf-onebit from-deepspeed DS_CONFIG.json
 

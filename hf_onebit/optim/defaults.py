@@ -2,7 +2,7 @@
 
 Each optimizer's constructor arguments below default to :data:`LIBRARY`'s value; with
 ``defaults="paper"`` every argument the caller leaves out takes :data:`PAPER`'s value instead, the
-arithmetic of the spec (``shared/spec/algorithms.md``), which the trajectory tests check against
+papers' arithmetic (stated in ``docs/algorithms.md``), which the trajectory tests check against
 independent simulations. An argument the caller gives is always taken as given. The plain
 constructors, :class:`~hf_onebit.OneBitTrainer`, the launcher (``python -m hf_onebit.run``), the
 Accelerate plugin and the recipes all build their optimizers through these constructors, so they
