@@ -1,4 +1,5 @@
-"""BinSGDM (spec §5): flat votes on 2 gloo ranks, hierarchical votes on 2 nodes of 2 ranks.
+"""BinSGDM (spec §5): flat votes on 2 gloo ranks, hierarchical votes on 2 nodes of 2 ranks, and
+the replay alone at the other world sizes and node layouts of ``tests/optim/world_sizes.py``.
 
 The distributed runs are few and shared (module fixtures): each costs seconds of start-up.
 They train :class:`tests.optim.harness.FixedGradModel` (gradients fixed per step and rank)
@@ -26,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads
+from tests.optim.world_sizes import NODE_LAYOUTS, WORLD_SIZES, node_env
 
 SEED = 20231
 NODE_STREAM = 2**32
@@ -410,6 +412,38 @@ def test_hierarchical_resume_continues_bitwise(hier_run):
             assert rec["stepped"] == full[rec["it"]]["stepped"]
             for a, b in zip(rec["params"], full[rec["it"]]["params"]):
                 assert torch.equal(a, b), f"rank {r}, iteration {rec['it']}"
+
+
+# ------------------------------------------------------------------------------------------
+# Other world sizes and node layouts: the replay (2 ranks and 2 nodes of 2 are the shared runs above)
+
+SIZED = dict(kwargs=KWARGS, last=8, nan_at=None)
+
+
+def _check_vote_values(outs, voters):
+    """Every q̄ is a mean of ``voters`` ±1 votes: ``voters·(q̄ + 1)/2`` is a whole number in [0, voters]
+    (up to q̄'s fp32 rounding, e.g. of 1/3)."""
+    for rec in outs[0]["records"]:
+        for q in rec["qbar"]:
+            ups = (q.double() + 1) * voters / 2
+            assert (ups - ups.round()).abs().max() < 1e-5 and 0 <= ups.min() and ups.max() <= voters + 1e-5, rec["it"]
+
+
+@pytest.mark.parametrize("world_size", [w for w in WORLD_SIZES if w != 2])
+def test_flat_votes_replay_the_simulation_at_every_world_size(world_size):
+    outs = run_distributed(_vote_worker, world_size, SIZED, env=node_env(world_size))  # one node: flat
+    assert not any(o["hierarchical"] for o in outs)
+    _check_against_simulation(outs, SIZED, world_size)
+    _check_vote_values(outs, world_size)
+
+
+@pytest.mark.parametrize("nodes,local_size", [p for p in NODE_LAYOUTS if p.values != (2, 2)])
+def test_hierarchical_votes_replay_the_simulation_at_every_node_layout(nodes, local_size):
+    n = nodes * local_size
+    outs = run_distributed(_vote_worker, n, SIZED, env=node_env(local_size))
+    assert all(o["hierarchical"] for o in outs)
+    _check_against_simulation(outs, SIZED, n, local_size=local_size)
+    _check_vote_values(outs, nodes)  # one vote per node
 
 
 # ------------------------------------------------------------------------------------------

