@@ -29,6 +29,11 @@ argument                 library default
                          ``var_update_scaler``), the variance steps keep error buffers apart
                          from theirs (sharing them cost 0.32 and 0.75 points against AdamW on
                          Rotten Tomatoes and the tweets, 3 seeds each, at 16).
+``bias_correction``      ``True`` (1-bit LAMB): LAMB on Adam's bias-corrected moments, as
+                         uncompressed LAMB implementations run it; the trust-ratio average
+                         starts at the first ratio. The paper's uncorrected moments leave a
+                         short run's frozen variance far below its settled value, so the update
+                         clip cuts most coordinates and the factor falls to ``factor_min``.
 ``clip_synced_momentum`` ``False`` (0/1 Adam): with ``update_clip`` the momentum its syncs
                          restore is not clipped a second time.
 ``var_update_scaler``    ``None`` (0/1 Adam): every step of the variance phase is a variance

@@ -124,6 +124,10 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         warmup_bits: how the warmup exchanges the gradient: ``None`` (the spec) at full
             precision, ``8`` or ``4`` with spec §1b's b-bit exchange and error feedback (see
             :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`).
+        bias_correction: run LAMB on Adam's corrected moments ``m̂ = m/(1−β1^t)``, ``v̂ = v/(1−β2^t)``
+            (``v̂`` frozen at the freeze step; the fresh variance corrected at ``t``), and start the
+            trust-ratio average at the first ratio instead of 0. Default ``True``
+            (``defaults="paper"``: ``False``, the spec's uncorrected arithmetic).
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
             that is left out takes its measured value; ``"paper"``: the spec's value instead.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
