@@ -216,12 +216,11 @@ def build(name: str, params, lr: float, steps: int, freeze, extra: dict | None =
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0), False
     if name == "lamb":
         return hf_onebit.OneBitLamb(params, lr=lr, freeze_step=10**9, warmup_bits=None), True
+    if name == "binsgdm":  # no warmup, no freeze
+        return hf_onebit.BinSGDM(params, lr=lr, **(extra or {})), True
     at = {} if freeze == "auto" else {"var_freeze_step" if name == "zeroone_adam" else "freeze_step":
                                       max(2, round(float(freeze) * steps))}
-    cls = {"onebit_adam": hf_onebit.OneBitAdam, "zeroone_adam": hf_onebit.ZeroOneAdam,
-           "onebit_lamb": hf_onebit.OneBitLamb, "binsgdm": hf_onebit.BinSGDM}[name]
-    if name == "binsgdm":
-        return cls(params, lr=lr, **(extra or {})), True
+    cls = {"onebit_adam": hf_onebit.OneBitAdam, "zeroone_adam": hf_onebit.ZeroOneAdam, "onebit_lamb": hf_onebit.OneBitLamb}[name]
     return cls(params, lr=lr, total_steps=steps, **at, **(extra or {})), True
 
 

@@ -68,13 +68,15 @@ def test_a_tiny_grid_runs_and_reports(tmp_path):
     out = tmp_path / "grid.json"
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "robustness.py"), "--task", "bow", "--steps", "6", "--lr-mults", "1",
-         "--world-sizes", "2", "--methods", "onebit_lamb", "--freezes", "0.5", "--eval-size", "50", "--json", str(out)],
+         "--world-sizes", "2", "--methods", "onebit_lamb", "binsgdm", "--freezes", "0.5", "--eval-size", "50",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [(r["method"], r["freeze_step"]) for r in result["runs"]] == [("lamb", None), ("onebit_lamb", 3)]
+    assert [(r["method"], r["freeze_step"]) for r in result["runs"]] == [
+        ("adamw_binsgdm", None), ("lamb", None), ("onebit_lamb", 3), ("binsgdm", None)]
     assert all(0 <= r["score"] <= 100 for r in result["runs"])
-    assert result["runs"][1]["compression_ratio"] > 1  # it compressed after its freeze
+    assert result["runs"][2]["compression_ratio"] > 1  # it compressed after its freeze
     assert "1-bit LAMB" in proc.stdout
 
 
