@@ -52,3 +52,47 @@ def check_find_unused(ddp) -> None:
         " DistributedDataParallelKwargs(find_unused_parameters=False) (Accelerate); if the model really has"
         " parameters without gradients, freeze them (requires_grad=False) so DDP does not wait for them."
     )
+
+
+def check_compiled_autograd(ddp) -> None:
+    """Refuse DDP's Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``) and
+    compiled autograd (``torch._dynamo.config.compiled_autograd = True``).
+
+    A DDP model built while ``optimize_ddp`` is ``"python_reducer"`` (checked: torch 2.13,
+    ``DistributedDataParallel._use_python_reducer``) does not hand buckets to the communication
+    hook: a post-accumulate-grad hook on every parameter calls it as ``hook(state, (grad, param))``,
+    one parameter at a time, which hf_onebit's hook cannot serve (the 1-bit exchange needs DDP's
+    buckets and its per-step protocol); the first backward would fail with
+    ``AttributeError: 'tuple' object has no attribute 'parameters'``, with or without compiled
+    autograd. DDP's C++ reducer, which does call the hook with buckets, refuses compiled autograd
+    itself at the first backward ("Compiled autograd is not compatible with C++ DDP Reducer"), and
+    its advice, the Python reducer, is the case above; so compiled autograd turned on when the hook
+    is attached is refused here, at attach time. ``torch.compile`` of the model without compiled
+    autograd (``optimize_ddp`` True, the default) works: the backward runs DDP's C++ reducer.
+    """
+    import torch._dynamo  # noqa: F401 - torch.compile's config; imported by torch.nn.parallel already
+
+    used = getattr(ddp, "_use_python_reducer", None)  # what DDP chose when it was built
+    if used is None:  # a torch without the attribute: the mode now
+        used = torch._dynamo.utils.get_optimize_ddp_mode() == "python_reducer"
+    python_reducer = bool(used)
+    compiled_autograd = bool(getattr(torch._dynamo.config, "compiled_autograd", False))
+    if not (python_reducer or compiled_autograd):
+        return
+    what = ("this DistributedDataParallel model was built while torch._dynamo.config.optimize_ddp was"
+            " 'python_reducer': DDP then calls the communication hook once per parameter with (grad, param)"
+            " instead of once per gradient bucket" if python_reducer else
+            "torch._dynamo.config.compiled_autograd is True: DDP's C++ reducer, which hands the communication"
+            " hook its gradient buckets, refuses compiled autograd, and the Python reducer torch suggests"
+            " instead calls the hook once per parameter with (grad, param)")
+    raise UnsupportedSetup(compiled_autograd_message(what))
+
+
+def compiled_autograd_message(what: str) -> str:
+    return (
+        f"hf_onebit does not support compiled autograd or DDP's Python reducer ({what}); hf_onebit's 1-bit"
+        " exchange needs DDP's buckets. Keep torch._dynamo.config.optimize_ddp = True (the default,"
+        " 'ddp_optimizer') and compiled autograd off (torch._dynamo.config.compiled_autograd = False, no"
+        " torch._dynamo.compiled_autograd.enable(...)), then build the DistributedDataParallel model:"
+        " torch.compile of the model (--torch_compile) works that way."
+    )

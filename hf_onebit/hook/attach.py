@@ -17,7 +17,7 @@ from hf_onebit.hook.fsdp import attach_fsdp, is_fsdp
 from hf_onebit.hook.state import OneBitHookState, onebit_hook
 from hf_onebit.optim import OneBitOptimizer
 from hf_onebit.optim.base import logger
-from hf_onebit.refusals import check_find_unused
+from hf_onebit.refusals import check_compiled_autograd, check_find_unused
 
 
 def attach(
@@ -53,6 +53,7 @@ def attach(
         logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
         return None
     check_find_unused(ddp_model)
+    check_compiled_autograd(ddp_model)
     run_self_test(optimizer)
     check_same_on_every_rank(optimizer, ddp_model.process_group)
     create_node_groups(optimizer)

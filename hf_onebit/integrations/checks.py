@@ -15,12 +15,12 @@ from collections.abc import Mapping
 import torch
 
 # the hook layer's refusals, re-exported: the integrations run them before anything is wrapped
-from hf_onebit.refusals import UnsupportedSetup, check_find_unused, check_sparse
+from hf_onebit.refusals import UnsupportedSetup, check_compiled_autograd, check_find_unused, check_sparse
 
 __all__ = [
-    "UnsupportedSetup", "check_accelerator", "check_distributed_type", "check_find_unused", "check_launch",
-    "check_model", "check_sparse", "check_trainer", "deepspeed_message", "fsdp_message", "model_parallel_message",
-    "note_fsdp_not_run", "refuse_arguments",
+    "UnsupportedSetup", "check_accelerator", "check_compiled_autograd", "check_distributed_type", "check_find_unused",
+    "check_launch", "check_model", "check_sparse", "check_trainer", "deepspeed_message", "fsdp_message",
+    "model_parallel_message", "note_fsdp_not_run", "refuse_arguments",
 ]
 
 DOCS = "the user guide, Integrations, section Refusals"
