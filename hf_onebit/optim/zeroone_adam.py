@@ -74,9 +74,10 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             ``sqrt(v)`` is below ``eps/100`` (not in the spec; ``False`` follows it exactly).
         momentum_correction: in the variance phase divide the momentum by ``1 - β1**t`` (``t``
             the step), as Adam does, so that with ``bias_correction`` the first
-            ``var_update_scaler`` steps (all variance steps) are AdamW's. Uncorrected (default;
-            the paper, DeepSpeed and the spec) the first steps are up to ``1/(1 - β1)`` = 10x
-            smaller and the run starts about ``1/(1 - β1)`` steps behind. The local phase needs no
+            ``var_update_scaler`` steps (all variance steps) are AdamW's. Default ``True``;
+            uncorrected (``defaults="paper"``: the paper, DeepSpeed and the spec) the first steps
+            are up to ``1/(1 - β1)`` = 10x smaller and the run starts about ``1/(1 - β1)`` steps
+            behind, which a run of a few dozen steps does not make up. The local phase needs no
             correction: by then ``β1**t`` is negligible, and each sync restores an unbiased
             momentum ``-ū/λ``.
         refresh_mask: with ``auto_mask``, until the variance freezes, release a masked
@@ -223,7 +224,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         update_clip: float | None = LIBRARY_DEFAULT,
         clip_synced_momentum: bool = LIBRARY_DEFAULT,
         refresh_mask: bool = False,
-        momentum_correction: bool = False,
+        momentum_correction: bool = LIBRARY_DEFAULT,
         sync_in_momentum_units: bool = False,
         hierarchical: bool | None = False,
         warmup_bits: int | None = LIBRARY_DEFAULT,
@@ -231,10 +232,11 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         total_steps: int | None = None,
     ) -> None:
         # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
-        var_freeze_step, scale_per_tensor, update_clip, clip_synced_momentum, warmup_bits, var_update_scaler = (
-            resolve_defaults("ZeroOneAdam", defaults, var_freeze_step=var_freeze_step, scale_per_tensor=scale_per_tensor,
-                             update_clip=update_clip, clip_synced_momentum=clip_synced_momentum,
-                             warmup_bits=warmup_bits, var_update_scaler=var_update_scaler).values())
+        (var_freeze_step, scale_per_tensor, update_clip, clip_synced_momentum, warmup_bits, var_update_scaler,
+         momentum_correction) = resolve_defaults(
+            "ZeroOneAdam", defaults, var_freeze_step=var_freeze_step, scale_per_tensor=scale_per_tensor,
+            update_clip=update_clip, clip_synced_momentum=clip_synced_momentum, warmup_bits=warmup_bits,
+            var_update_scaler=var_update_scaler, momentum_correction=momentum_correction).values()
         self.update_clip = check_update_clip(update_clip)
         self.warmup_bits = check_warmup_bits(warmup_bits)
         for name, switch in (("clip_synced_momentum", clip_synced_momentum), ("refresh_mask", refresh_mask),
