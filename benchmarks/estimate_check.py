@@ -133,7 +133,7 @@ def points_of(name: str, data: dict, kernels: Kernels) -> list[Point]:
                 plans = zeroone_plans(steps, freeze, **conf["zeroone"])
             else:
                 plans = method_plans(method, steps, freeze)
-            phases = {p: plan_phase(cfg, p, False, method) for p in set(plans)}
+            phases = {p: plan_phase(cfg, p, False) for p in set(plans)}
             dts = _step_times(row)
             run_mb = (sum(phases[p].sent for p in plans) / steps, row["bytes_run"])  # the configuration's check
             # compressed phase: the window's mean, predicted over the same steps
