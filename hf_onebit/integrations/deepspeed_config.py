@@ -1,4 +1,4 @@
-"""``hf-onebit from-deepspeed ds_config.json``: a DeepSpeed config of a 1-bit optimizer, converted.
+"""A DeepSpeed config of a 1-bit optimizer as hf_onebit arguments (``hf-onebit from-deepspeed``).
 
 DeepSpeed's ``OneBitAdam``, ``ZeroOneAdam`` and ``OneBitLamb`` (last in ``deepspeed==0.19.6``) were
 configured in a JSON file::
@@ -11,8 +11,8 @@ configured in a JSON file::
 arguments, the launcher's flags and one note per difference, each naming its key. It reproduces
 DeepSpeed's behaviour: ``defaults="paper"`` with DeepSpeed's numbers, its freeze step shifted by
 its one-ahead step counter, ``bias_correction=False`` (DeepSpeed never applied it); the library
-defaults are the alternative it prints. What cannot be honoured (ZeRO stage > 0, ``amsgrad``, an
-unknown parameter or optimizer) raises :class:`ConversionError`.
+defaults are the alternative. What cannot be honoured (ZeRO stage > 0, ``amsgrad``, an unknown
+parameter or optimizer) raises :class:`ConversionError`. :mod:`.from_deepspeed` prints it all.
 """
 
 from __future__ import annotations
@@ -20,15 +20,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
-import textwrap
 from dataclasses import dataclass, field
 
 from hf_onebit.integrations.defaults import NO_CLIPPING
 from hf_onebit.integrations.options import FROM_TRAINING_ARGS, ONEBIT_OPTIMIZERS
 from hf_onebit.optim.defaults import LIBRARY
-
-USAGE = "usage: hf-onebit from-deepspeed DS_CONFIG.json"
 
 _COMMON = dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False,
                weight_decay=0.0, max_grad_norm=0.0, amsgrad=False, cuda_aware=False, comm_backend_name="nccl")
@@ -108,7 +104,7 @@ class Conversion:
         return args
 
     def launcher_line(self, library: bool = False) -> str:
-        return " ".join(map(_quoted, self.launcher_args(library)))
+        return " ".join(map(shell_word, self.launcher_args(library)))
 
     def constructor_call(self, library: bool = False) -> str:
         kwargs = self.library_kwargs if library else self.kwargs
@@ -128,7 +124,8 @@ def _arg_text(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _quoted(arg: str) -> str:
+def shell_word(arg: str) -> str:
+    """``arg`` as a shell word: quoted where it holds a comma or ``=``."""
     return f'"{arg}"' if "," in arg or "=" in arg else arg
 
 
@@ -437,68 +434,3 @@ def load(path: str) -> dict:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConversionError(f"{path} is not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from exc
-
-
-WIDTH = 100  # the printed lines: commands wrapped where bash and Python allow, notes as paragraphs
-
-
-def _fill(text: str, first: str = "", rest: str = "") -> str:
-    return textwrap.fill(text, WIDTH, initial_indent=first, subsequent_indent=rest, break_long_words=False,
-                         break_on_hyphens=False)
-
-
-def _shell_lines(args: list[str]) -> str:
-    """The launcher's arguments, quoted, over lines of at most :data:`WIDTH` joined by `` \\``."""
-    words = []  # a flag with its value: never split between lines
-    for w in map(_quoted, args):
-        if words and not w.startswith("--") and words[-1].startswith("--") and " " not in words[-1]:
-            words[-1] = f"{words[-1]} {w}"
-        else:
-            words.append(w)
-    lines = [words[0]]
-    for w in words[1:]:
-        if len(lines[-1]) + 1 + len(w) > WIDTH - 4:
-            lines.append(w)
-        else:
-            lines[-1] += f" {w}"
-    return " \\\n    ".join(lines)
-
-
-def report(conv: Conversion, path: str) -> str:
-    """What the command prints."""
-    bias = "" if conv.cls_name == "OneBitLamb" else ", bias correction"
-    return "\n".join([
-        f"{path}: DeepSpeed {conv.deepspeed_type} -> hf_onebit.{conv.cls_name}, reproducing DeepSpeed's behaviour",
-        "",
-        "HF Trainer (hf-onebit run / -m hf_onebit.run SCRIPT.py ...):",
-        f"  {_shell_lines(conv.launcher_args())}",
-        "",
-        "Plain PyTorch (DDP, then hf_onebit.attach(ddp, opt)):",
-        _fill(conv.constructor_call(), "  ", "      "),  # breaks after commas: still valid Python
-        "",
-        "Differences from DeepSpeed, key by key:",
-        *(_fill(text, "  - ", "    ") for _, text in conv.notes),
-        "",
-        _fill("Or hf_onebit's library defaults (automatic freeze, 8-bit warmup, update_clip=1.0, one scale per"
-              f" tensor{bias}), with DeepSpeed's hyperparameters:"),
-        f"  {_shell_lines(conv.launcher_args(library=True))}",
-        _fill(conv.constructor_call(library=True), "  ", "      "),
-    ])
-
-
-def main(argv: list[str]) -> int:
-    """``hf-onebit from-deepspeed DS_CONFIG.json``: print the conversion; 2 on bad input."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"{USAGE}\n\nprints the hf_onebit equivalent of a DeepSpeed config of OneBitAdam, ZeroOneAdam or"
-              " OneBitLamb: the launcher's --optim/--optim_args and flags, the constructor call, and every difference")
-        return 0 if argv else 2
-    if len(argv) != 1:
-        print(USAGE, file=sys.stderr)
-        return 2
-    try:
-        conv = convert(load(argv[0]))
-    except ConversionError as exc:
-        print(f"hf-onebit from-deepspeed: error: {exc}", file=sys.stderr)
-        return 2
-    print(report(conv, argv[0]))
-    return 0
