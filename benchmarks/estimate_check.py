@@ -5,7 +5,7 @@
 For every stored run of ``benchmarks/network.py`` (2 gloo ranks whose traffic shares one
 rate-limited loopback) and ``benchmarks/two_nodes.py`` (2 nodes of 2 ranks joined by a veth
 pair rate-limited each way), every method the model covers and each of its phases, it predicts
-the step time with :mod:`hf_onebit.estimate` and prints it beside the measured one.
+the step time with :mod:`hf_onebit.cost_model` and prints it beside the measured one.
 
 What the prediction is given (what a user would know, nothing fitted to a point):
 
@@ -54,7 +54,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hf_onebit.estimate import Config, Kernels, Layout, mean_phase, method_plans, plan_phase, zeroone_plans  # noqa: E402
+from hf_onebit.cost_model import Config, Kernels, Layout, mean_phase, method_plans, plan_phase, zeroone_plans  # noqa: E402
 
 TOLERANCE = 0.25
 HIDDEN = 384  # all-MiniLM-L6-v2
@@ -133,7 +133,7 @@ def points_of(name: str, data: dict, kernels: Kernels) -> list[Point]:
                 plans = zeroone_plans(steps, freeze, **conf["zeroone"])
             else:
                 plans = method_plans(method, steps, freeze)
-            phases = {p: plan_phase(cfg, p, False, method) for p in set(plans)}
+            phases = {p: plan_phase(cfg, p, False) for p in set(plans)}
             dts = _step_times(row)
             run_mb = (sum(phases[p].sent for p in plans) / steps, row["bytes_run"])  # the configuration's check
             # compressed phase: the window's mean, predicted over the same steps

@@ -1,4 +1,4 @@
-"""The cost model (``hf_onebit.estimate``, ``hf-onebit estimate``, ``benchmarks/estimate_check.py``).
+"""The cost model (``hf_onebit.cost_model``, ``hf-onebit estimate``, ``benchmarks/estimate_check.py``).
 
 Its byte formulas against the library's own counters on real gloo ranks (2 and 4, flat and as 2
 nodes of 2), its flag parsing, and the validation command against the stored runs."""
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_onebit import cost_model as cm
 from hf_onebit import estimate as est
 from tests.distributed import run_distributed
 
@@ -60,33 +61,33 @@ def _library_counts(rank, world_size, by_node):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_flat_byte_formulas_equal_the_library_counters(world):
-    lay = est.Layout(world, 1)
+    lay = cm.Layout(world, 1)
     numel = sum(SIZES)
     counted = run_distributed(_library_counts, world, False)
     for rank in range(world):  # every rank counts the same
         for width in (1, 8):
             for pieces in (False, True):
-                model = est.compressed(numel, lay, width, tensor_sizes=SIZES if pieces else None)
+                model = cm.compressed(numel, lay, width, tensor_sizes=SIZES if pieces else None)
                 sent, rounds, _ = counted[rank][("compressed", width, pieces)]
                 assert (model.sent, model.rounds) == (sent, rounds), (world, width, pieces)
-        model = est.vote(numel, lay)
+        model = cm.vote(numel, lay)
         assert (model.sent, model.rounds) == counted[rank][("vote",)][:2]
 
 
 def test_by_node_byte_formulas_equal_the_library_counters():
     """4 ranks as 2 nodes of 2: every byte a rank sends, and what crosses between the nodes."""
-    lay = est.Layout(4, 2)
+    lay = cm.Layout(4, 2)
     numel = sum(SIZES)
     counted = run_distributed(_library_counts, 4, True, env=NODES)
     for width in (1, 8):
-        model = est.compressed_by_node(numel, lay, width)
+        model = cm.compressed_by_node(numel, lay, width)
         sent, rounds, inter = counted[0][("compressed", width, False)]
         assert (model.sent, model.rounds) == (sent, rounds)
         assert model.between == lay.per_node * inter  # both ranks of a node cross, each its shard's bytes
         # a scale per tensor: the model takes local rank 0's shard (the others' pieces differ by a few)
-        piece_model = est.compressed_by_node(numel, lay, width, tensor_sizes=SIZES)
+        piece_model = cm.compressed_by_node(numel, lay, width, tensor_sizes=SIZES)
         assert piece_model.sent == counted[0][("compressed", width, True)][0]
-    model = est.vote_by_node(numel, lay)
+    model = cm.vote_by_node(numel, lay)
     sent, rounds, inter = counted[0][("vote",)]
     assert (model.sent, model.rounds, model.between) == (sent, rounds, lay.per_node * inter)
 
@@ -116,9 +117,9 @@ def _ddp_steps(rank, world_size, steps):
 
 def test_a_training_run_sends_what_the_model_predicts_in_each_phase():
     out = run_distributed(_ddp_steps, 2, 6)[0]
-    cfg = est.Config(params=out["params"], layout=est.Layout(2, 1), link_bps=1e9, dtype="fp32", tensors=0)
-    warm = est.plan_phase(cfg, "warmup", False)
-    comp = est.plan_phase(cfg, "onebit", False)
+    cfg = cm.Config(params=out["params"], layout=cm.Layout(2, 1), link_bps=1e9, dtype="fp32", tensors=0)
+    warm = cm.plan_phase(cfg, "warmup", False)
+    comp = cm.plan_phase(cfg, "onebit", False)
     assert out["per_step"] == [warm.sent] * 3 + [comp.sent] * 3
 
 
@@ -126,21 +127,21 @@ def test_ring_allreduce_is_the_counters_rule_and_by_node_sends_fewer_bytes_betwe
     from hf_onebit.comm.stats import allreduce_bytes
 
     for n in (2, 3, 4, 16):
-        assert est.ring_allreduce(4 * 1000, est.Layout(n, 1)).sent == pytest.approx(allreduce_bytes(4000, n), abs=1)
-    lay = est.Layout(16, 2)
+        assert cm.ring_allreduce(4 * 1000, cm.Layout(n, 1)).sent == pytest.approx(allreduce_bytes(4000, n), abs=1)
+    lay = cm.Layout(16, 2)
     numel = 25 * 2**20
-    flat, by_node = est.compressed(numel, lay), est.compressed_by_node(numel, lay)
+    flat, by_node = cm.compressed(numel, lay), cm.compressed_by_node(numel, lay)
     assert flat.sent == pytest.approx(2 * 15 / 16 * numel / 8, rel=1e-3)  # spec §1: ≈ 2·(n-1)/n·L/8
     assert by_node.between == pytest.approx(8 * 2 * (1 / 2) * (numel / 8) / 8, rel=1e-3)  # k·2(M-1)/M·S/8
     assert by_node.between < flat.between / 3
 
 
 def test_zeroone_schedule_follows_the_optimizer_counters():
-    plans = est.zeroone_plans(12, 4, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+    plans = cm.zeroone_plans(12, 4, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
     assert plans[:4] == ["variance", "variance", "onebit", "variance"]
     # local phase: interval 1 for 2 steps, then 2 (steps 7, 8), then 4
     assert plans[4:] == ["sync", "sync", "local", "sync", "local", "local", "local", "sync"]
-    assert est.zeroone_plans(5, 2) == ["variance", "variance", "sync", "sync", "sync"]
+    assert cm.zeroone_plans(5, 2) == ["variance", "variance", "sync", "sync", "sync"]
 
 
 # ---------------------------------------------------------------------------------- parsing
@@ -198,10 +199,10 @@ def test_kernels_from_reads_the_check_json(tmp_path):
     rows = [{"dtype": "float32", "op": op, "numel": 1000, "ms": ms}
             for op, ms in (("copy_", 1.0), ("worker_scale", 1.0), ("worker_pack", 2.0), ("unpack_scaled", 3.0))]
     path.write_text(json.dumps({"device": "cpu", "kernels": rows}))
-    k = est.Kernels.load(str(path))
+    k = cm.Kernels.load(str(path))
     assert k.per_element("fp32", "worker_pack") == pytest.approx(2e-6)
     # 1-bit exchange of 1000 elements on 2 ranks: L·(scale + pack + 2·unpack) + L/n·(scale + pack)
-    assert est.kernel_seconds("compressed", 1000, 2, "fp32", k) == pytest.approx(1000 * 9e-6 + 500 * 3e-6)
+    assert cm.kernel_seconds("compressed", 1000, 2, "fp32", k) == pytest.approx(1000 * 9e-6 + 500 * 3e-6)
 
 
 # ---------------------------------------------------------------------------------- validation

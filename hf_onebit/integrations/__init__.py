@@ -20,8 +20,9 @@ module         what it holds
 ``patch``      the one place transformers is patched (for unmodified scripts)
 ``launcher``   ``python -m hf_onebit.run`` / ``hf-onebit run``; ``hf-onebit config`` (the launch
                configs shipped in ``configs/``)
-``deepspeed_config`` ``hf-onebit from-deepspeed``: a DeepSpeed 1-bit optimizer config as launcher
-               flags and a constructor call, with every difference (needs no transformers)
+``deepspeed_config`` a DeepSpeed 1-bit optimizer config as launcher flags and a constructor call,
+               with every difference (needs no transformers)
+``from_deepspeed`` ``hf-onebit from-deepspeed``: prints that conversion
 ``deepspeed_checkpoint`` a DeepSpeed 1-bit Adam / LAMB stage-0 checkpoint's moments, loaded
 ============== ==========================================================================
 

@@ -1,4 +1,4 @@
-"""``hf-onebit from-deepspeed ds_config.json``: a DeepSpeed config of a 1-bit optimizer, converted.
+"""A DeepSpeed config of a 1-bit optimizer as hf_onebit arguments (``hf-onebit from-deepspeed``).
 
 DeepSpeed's ``OneBitAdam``, ``ZeroOneAdam`` and ``OneBitLamb`` (last in ``deepspeed==0.19.6``) were
 configured in a JSON file::
@@ -7,36 +7,24 @@ configured in a JSON file::
      "optimizer": {"type": "OneBitAdam", "params": {"lr": 4e-4, "freeze_step": 23000, ...}},
      "gradient_clipping": 1.0, "fp16": {"enabled": true}}
 
-:func:`convert` reads such a config (a dict) and returns a :class:`Conversion`: the constructor
-keyword arguments of the matching hf_onebit optimizer, the HF launcher's flags (``--optim ...
---optim_args "..."``) and one note per difference, each naming the key it is about. A key that
-cannot be honoured (ZeRO stage > 0, ``amsgrad``, an unknown parameter, an optimizer that is not
-one of the three) raises :class:`ConversionError`; a key that changes nothing here (``cuda_aware``,
-``comm_backend_name``, ``steps_per_print``) is listed as ignored.
-
-The conversion reproduces DeepSpeed's behaviour: ``defaults="paper"`` (full-precision warmup, no
-update clip, one scale per chunk, a fixed freeze) with DeepSpeed's numbers, its freeze step
-shifted by its one-ahead step counter, and ``bias_correction=False`` (DeepSpeed never applied
-it). hf_onebit's measured library defaults are printed as the alternative.
-
-:func:`main` is the command (registered in :mod:`hf_onebit.integrations.launcher`).
+:func:`convert` turns such a config into a :class:`Conversion`: the hf_onebit optimizer's keyword
+arguments, the launcher's flags and one note per difference, each naming its key. It reproduces
+DeepSpeed's behaviour: ``defaults="paper"`` with DeepSpeed's numbers, its freeze step shifted by
+its one-ahead step counter, ``bias_correction=False`` (DeepSpeed never applied it); the library
+defaults are the alternative. What cannot be honoured (ZeRO stage > 0, ``amsgrad``, an unknown
+parameter or optimizer) raises :class:`ConversionError`. :mod:`.from_deepspeed` prints it all.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-import sys
 from dataclasses import dataclass, field
 
-USAGE = "usage: hf-onebit from-deepspeed DS_CONFIG.json"
-
-#: DeepSpeed's optimizer type (lower-cased, as DeepSpeed matched it) -> (hf_onebit class, --optim)
-TYPES = {
-    "onebitadam": ("OneBitAdam", "onebit_adam"),
-    "zerooneadam": ("ZeroOneAdam", "zeroone_adam"),
-    "onebitlamb": ("OneBitLamb", "onebit_lamb"),
-}
+from hf_onebit.integrations.defaults import NO_CLIPPING
+from hf_onebit.integrations.options import FROM_TRAINING_ARGS, ONEBIT_OPTIMIZERS
+from hf_onebit.optim.defaults import LIBRARY
 
 _COMMON = dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False,
                weight_decay=0.0, max_grad_norm=0.0, amsgrad=False, cuda_aware=False, comm_backend_name="nccl")
@@ -48,18 +36,33 @@ DEEPSPEED_PARAMS = {
     "OneBitLamb": dict(_COMMON, freeze_step=100000, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9,
                        factor_max=4.0, factor_min=0.5, factor_threshold=0.1),
 }
-
-#: hyperparameters that the Trainer's own flags carry (never in --optim_args)
-TRAINER_FLAGS = {"lr": "--learning_rate", "eps": "--adam_epsilon", "weight_decay": "--weight_decay"}
-#: DeepSpeed parameters taken over unchanged under the same name (besides the Trainer's)
-_SAME = ("var_update_scaler", "local_step_scaler", "local_step_clipper", "max_coeff", "min_coeff", "coeff_beta",
-         "factor_max", "factor_min", "factor_threshold")
+#: DeepSpeed's optimizer type (lower-cased, as DeepSpeed matched it) -> (hf_onebit class, --optim)
+TYPES = {spec.cls.__name__.lower(): (spec.cls.__name__, name) for name, spec in ONEBIT_OPTIMIZERS.items()
+         if spec.cls.__name__ in DEEPSPEED_PARAMS}
+#: the hyperparameters the Trainer's own flags carry (never in --optim_args)
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+#: DeepSpeed parameters taken over unchanged under the same name, and their type
+_SAME = dict(var_update_scaler=int, local_step_scaler=int, local_step_clipper=int, max_coeff=float, min_coeff=float,
+             coeff_beta=float, factor_max=float, factor_min=float, factor_threshold=float)
+#: DeepSpeed parameters that change nothing here: the note each gets ({text}: the value as the launcher writes it)
+_IGNORED_PARAMS = {
+    "cuda_aware": "cuda_aware {text}: no equivalent, ignored: hf_onebit communicates through the DDP process group"
+                  " (its backend: nccl on GPUs, gloo on CPUs), never through MPI",
+    "comm_backend_name": "comm_backend_name {value!r}: no equivalent, ignored: the process group passed to DDP"
+                         " (init_process_group's backend) carries the exchange",
+    "eps_inside_sqrt": "eps_inside_sqrt {text}: ignored, as DeepSpeed ignored it (its update always added eps outside"
+                       " the square root, as here)",
+    "max_grad_norm": "optimizer.params.max_grad_norm: ignored, as DeepSpeed's 1-bit optimizers ignored it (clipping"
+                     " is the top-level gradient_clipping)",
+}
 #: top-level keys that do not change the optimizer or the loop: listed as ignored
 _NO_EFFECT = ("steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
               "dump_state", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler",
               "memory_breakdown", "communication_data_type", "activation_checkpointing", "data_types",
               "checkpoint", "elasticity", "autotuning", "zero_allow_untested_optimizer")
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_HANDLED = ("optimizer", "fp16", "bf16", "bfloat16", "gradient_clipping", "zero_optimization", "amp", "scheduler",
+            "sparse_gradients", *_BATCH)
 
 
 class ConversionError(ValueError):
@@ -81,9 +84,7 @@ class Conversion:
 
     @property
     def cls(self):
-        import hf_onebit
-
-        return getattr(hf_onebit, self.cls_name)
+        return ONEBIT_OPTIMIZERS[self.optim].cls
 
     def build(self, params, library: bool = False):
         """The optimizer over ``params`` (``library``: the alternative with the library defaults)."""
@@ -92,21 +93,18 @@ class Conversion:
     def optim_args(self, library: bool = False) -> str:
         """The ``--optim_args`` text: the constructor arguments the Trainer's flags do not carry."""
         kwargs = self.library_kwargs if library else self.kwargs
-        items = [(k, v) for k, v in kwargs.items() if k not in TRAINER_FLAGS and k != "betas"]
-        return ",".join(f"{k}={_arg_text(v)}" for k, v in items)
+        return ",".join(f"{k}={_arg_text(v)}" for k, v in kwargs.items() if k not in FROM_TRAINING_ARGS)
 
     def launcher_args(self, library: bool = False) -> list[str]:
         """``--optim NAME [--optim_args TEXT] FLAG VALUE ...`` for ``hf-onebit run`` / ``-m hf_onebit.run``."""
-        args = ["--optim", self.optim]
         text = self.optim_args(library)
-        if text:
-            args += ["--optim_args", text]
+        args = ["--optim", self.optim] + (["--optim_args", text] if text else [])
         for flag, value in self.trainer_flags:
             args += [flag] if value is None else [flag, value]
         return args
 
     def launcher_line(self, library: bool = False) -> str:
-        return " ".join(f'"{a}"' if "," in a or "=" in a else a for a in self.launcher_args(library))
+        return " ".join(map(shell_word, self.launcher_args(library)))
 
     def constructor_call(self, library: bool = False) -> str:
         kwargs = self.library_kwargs if library else self.kwargs
@@ -116,18 +114,19 @@ class Conversion:
     def note(self, key: str, text: str) -> None:
         self.notes.append((key, text))
 
-    def note_keys(self) -> list[str]:
-        return [k for k, _ in self.notes]
-
 
 def _arg_text(value) -> str:
+    """``value`` as ``--optim_args`` and the Trainer's flags read it."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
         return "none"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def shell_word(arg: str) -> str:
+    """``arg`` as a shell word: quoted where it holds a comma or ``=``."""
+    return f'"{arg}"' if "," in arg or "=" in arg else arg
 
 
 def _number(value, key: str, kind=float):
@@ -135,8 +134,7 @@ def _number(value, key: str, kind=float):
     if kind is int:
         ok = ok and float(value).is_integer() and value >= 0
     if not ok:
-        want = "a non-negative integer" if kind is int else "a number"
-        raise ConversionError(f"{key} must be {want}, got {value!r}")
+        raise ConversionError(f"{key} must be {'a non-negative integer' if kind is int else 'a number'}, got {value!r}")
     return kind(value)
 
 
@@ -147,9 +145,7 @@ def _enabled(section, name: str):
     if not isinstance(section, dict):
         raise ConversionError(f"{name} must be an object such as {{\"enabled\": true}}, got {section!r}")
     value = section.get("enabled", False)
-    if value == "auto":
-        return "auto"
-    if not isinstance(value, bool):
+    if value != "auto" and not isinstance(value, bool):
         raise ConversionError(f"{name}.enabled must be true, false or \"auto\", got {value!r}")
     return value
 
@@ -163,14 +159,12 @@ def convert(config: dict) -> Conversion:
         raise ConversionError(
             "no \"optimizer\": {\"type\": ..., \"params\": {...}} section: this converts DeepSpeed configs of"
             " OneBitAdam, ZeroOneAdam and OneBitLamb (a script that builds its optimizer in Python has nothing to"
-            " convert here)"
-        )
+            " convert here)")
     ds_type = section["type"]
     if not isinstance(ds_type, str) or ds_type.lower() not in TYPES:
         raise ConversionError(
             f"optimizer type {ds_type!r} is not one of DeepSpeed's 1-bit optimizers (OneBitAdam, ZeroOneAdam,"
-            " OneBitLamb); for a standard optimizer use the Trainer's own --optim (e.g. adamw_torch) or torch.optim"
-        )
+            " OneBitLamb); for a standard optimizer use the Trainer's own --optim (e.g. adamw_torch) or torch.optim")
     cls_name, optim = TYPES[ds_type.lower()]
     params = section.get("params", {})
     if not isinstance(params, dict):
@@ -180,8 +174,7 @@ def convert(config: dict) -> Conversion:
     if unknown:
         raise ConversionError(
             f"optimizer.params: DeepSpeed's {cls_name} has no parameter {', '.join(map(repr, unknown))} (DeepSpeed"
-            f" would have refused it too); its parameters: {', '.join(sorted(known))}"
-        )
+            f" would have refused it too); its parameters: {', '.join(sorted(known))}")
     conv = Conversion(ds_type, cls_name, optim, kwargs={"defaults": "paper"}, library_kwargs={}, trainer_flags=[])
     _optimizer_params(conv, params)
     _validate(conv)
@@ -189,57 +182,43 @@ def convert(config: dict) -> Conversion:
     return conv
 
 
-def _given(conv: Conversion, params: dict, key: str):
-    """The value of ``key`` in params (``None`` when absent or "auto", with a note for "auto")."""
-    value = params.get(key)
-    if value == "auto":
-        conv.note(key, f"{key} \"auto\": left to the training arguments (--{'learning_rate' if key == 'lr' else key}"
-                       " or the constructor's default, which is DeepSpeed's)")
-        return None
-    return value
-
-
 def _optimizer_params(conv: Conversion, params: dict) -> None:
     name, kw = conv.cls_name, conv.kwargs
     defaults = DEEPSPEED_PARAMS[name]
-    for key in ("lr", "eps", "weight_decay"):
-        value = _given(conv, params, key)
-        if value is not None:
+    for key in ("lr", "eps", "weight_decay", "betas"):  # "auto": left to the training arguments
+        value = params.get(key)
+        if value == "auto":
+            conv.note(key, f"{key} \"auto\": left to the training arguments (--{'learning_rate' if key == 'lr' else key}"
+                           " or the constructor's default, which is DeepSpeed's)")
+        elif value is not None and key != "betas":
             kw[key] = _number(value, f"optimizer.params.{key}")
-    betas = _given(conv, params, "betas")
-    if betas is not None:
-        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-            raise ConversionError(f"optimizer.params.betas must be a pair [beta1, beta2], got {betas!r}")
-        kw["betas"] = tuple(_number(b, "optimizer.params.betas") for b in betas)
-    for key in _SAME:
-        if key in defaults and params.get(key) is not None and params.get(key) != "auto":
-            kind = float if key in ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min",
-                                    "factor_threshold") else int
+        elif value is not None:
+            if not isinstance(value, (list, tuple)) or len(value) != 2:
+                raise ConversionError(f"optimizer.params.betas must be a pair [beta1, beta2], got {value!r}")
+            kw["betas"] = tuple(_number(b, "optimizer.params.betas") for b in value)
+    for key, kind in _SAME.items():
+        if params.get(key) not in (None, "auto"):
             kw[key] = _number(params[key], f"optimizer.params.{key}", kind)
 
     # the warmup's end: DeepSpeed's counter runs one ahead (spec, "Deviations from DeepSpeed")
-    if name == "ZeroOneAdam":
-        given = params.get("var_freeze_step")
-        value = defaults["var_freeze_step"] if given is None else _number(given, "optimizer.params.var_freeze_step", int)
-        kw["var_freeze_step"] = value
-        said = f"var_freeze_step {value}" if given is not None else f"var_freeze_step not given: DeepSpeed's default {value}"
-        conv.note("var_freeze_step",
-                  f"{said} -> var_freeze_step={value}: DeepSpeed's first step() only allocated buffers, so its step"
-                  " counter runs one ahead, and it ended the variance phase once that counter exceeded"
-                  f" var_freeze_step: after {value} updates, as here. Its variance-step and sync schedules test"
-                  " `counter mod interval` on that counter, so they fall one step apart from hf_onebit's (no argument"
-                  " changes that). The library default, var_freeze_step=\"auto\", freezes when the variance has"
-                  " settled.")
+    key = "var_freeze_step" if name == "ZeroOneAdam" else "freeze_step"
+    given = params.get(key)
+    value = defaults[key] if given is None else _number(given, f"optimizer.params.{key}", int)
+    said = f"{key} {value}" if given is not None else f"{key} not given: DeepSpeed's default {value}"
+    if name == "ZeroOneAdam":  # it ended the variance phase once that counter *exceeded* var_freeze_step
+        kw[key] = value
+        conv.note(key, f"{said} -> var_freeze_step={value}: DeepSpeed's first step() only allocated buffers, so its step"
+                       " counter runs one ahead, and it ended the variance phase once that counter exceeded"
+                       f" var_freeze_step: after {value} updates, as here. Its variance-step and sync schedules test"
+                       " `counter mod interval` on that counter, so they fall one step apart from hf_onebit's (no"
+                       " argument changes that). The library default, var_freeze_step=\"auto\", freezes when the"
+                       " variance has settled.")
     else:
-        given = params.get("freeze_step")
-        value = defaults["freeze_step"] if given is None else _number(given, "optimizer.params.freeze_step", int)
-        kw["freeze_step"] = max(value - 1, 0)
-        said = f"freeze_step {value}" if given is not None else f"freeze_step not given: DeepSpeed's default {value}"
-        conv.note("freeze_step",
-                  f"{said} -> freeze_step={kw['freeze_step']}: DeepSpeed's first step() only allocated buffers, so"
-                  f" its step counter runs one ahead and its freeze_step={value} ended the warmup after"
-                  f" {kw['freeze_step']} updates, as freeze_step={kw['freeze_step']} does here. The library default,"
-                  " freeze_step=\"auto\", ends the warmup when the variance has settled (within 10-40% of the run).")
+        kw[key] = shifted = max(value - 1, 0)
+        conv.note(key, f"{said} -> freeze_step={shifted}: DeepSpeed's first step() only allocated buffers, so its step"
+                       f" counter runs one ahead and its freeze_step={value} ended the warmup after {shifted} updates,"
+                       f" as freeze_step={shifted} does here. The library default, freeze_step=\"auto\", ends the"
+                       " warmup when the variance has settled (within 10-40% of the run).")
 
     bias = params.get("bias_correction", defaults["bias_correction"])
     if name == "OneBitLamb":
@@ -272,44 +251,30 @@ def _optimizer_params(conv: Conversion, params: dict) -> None:
               "auto_mask=True (every preset): coordinates whose gradient stays exactly zero are masked automatically,"
               " where DeepSpeed needed an exp_avg_mask in the parameter groups; optimizer.set_mask() takes your own.")
 
-    # DeepSpeed parameters with nothing to convert
     if params.get("amsgrad"):
         raise ConversionError(f"optimizer.params.amsgrad true: DeepSpeed's {name} refused AMSGrad too, and"
                               " hf_onebit has no AMSGrad variant; remove the key")
-    if "cuda_aware" in params:
-        conv.note("cuda_aware", f"cuda_aware {_arg_text(params['cuda_aware'])}: no equivalent, ignored: hf_onebit"
-                                " communicates through the DDP process group (its backend: nccl on GPUs, gloo on"
-                                " CPUs), never through MPI")
-    if "comm_backend_name" in params:
-        conv.note("comm_backend_name", f"comm_backend_name {params['comm_backend_name']!r}: no equivalent, ignored:"
-                                       " the process group passed to DDP (init_process_group's backend) carries the"
-                                       " exchange")
-    if "eps_inside_sqrt" in params:
-        conv.note("eps_inside_sqrt", f"eps_inside_sqrt {_arg_text(params['eps_inside_sqrt'])}: ignored, as DeepSpeed"
-                                     " ignored it (its update always added eps outside the square root, as here)")
-    if "max_grad_norm" in params:
-        conv.note("max_grad_norm", "optimizer.params.max_grad_norm: ignored, as DeepSpeed's 1-bit optimizers ignored"
-                                   " it (clipping is the top-level gradient_clipping)")
+    for key, text in _IGNORED_PARAMS.items():
+        if key in params:
+            conv.note(key, text.format(text=_arg_text(params[key]), value=params[key]))
 
-    # the alternative: the library defaults, DeepSpeed's hyperparameters
-    conv.library_kwargs = {k: v for k, v in kw.items() if k in ("lr", "betas", "eps", "weight_decay", *_SAME)
-                           and k != "var_update_scaler"}
+    # the alternative: DeepSpeed's hyperparameters, every argument the presets decide left to the library's
+    conv.library_kwargs = {k: v for k, v in kw.items() if k not in (*LIBRARY[name], "defaults", "bias_correction")}
 
 
 def _validate(conv: Conversion) -> None:
     """Build the optimizer over a dummy parameter, so a bad value fails here (as the launcher does);
     what the optimizer warns about at construction becomes a note."""
-    import logging
-
     import torch
 
     class Collect(logging.Handler):
         def emit(self, record):
             said.append(record.getMessage())
 
+    said: list[str] = []
     logger, handler = logging.getLogger("hf_onebit"), Collect(logging.WARNING)
     for library in (False, True):
-        said: list[str] = []
+        said.clear()
         logger.addHandler(handler)
         propagate, logger.propagate = logger.propagate, False
         try:
@@ -328,19 +293,17 @@ def _training_loop(conv: Conversion, config: dict) -> None:
     kw, flags, name = conv.kwargs, conv.trainer_flags, conv.cls_name
     ds = DEEPSPEED_PARAMS[name]
 
-    # the hyperparameters the Trainer's flags carry: DeepSpeed's value (or default) explicitly, as the
-    # Trainer's own defaults (5e-5, weight decay 0 ...) are not DeepSpeed's
+    # the Trainer's flags carry DeepSpeed's value (or default) explicitly: the Trainer's own defaults differ
     params = config["optimizer"].get("params", {})
-    for key, flag in (("lr", "--learning_rate"),):
-        if params.get(key) != "auto":
-            flags.append((flag, _arg_text(kw.get(key, ds[key]))))
-    if params.get("betas") != "auto":
-        b1, b2 = kw.get("betas", ds["betas"])
-        flags += [("--adam_beta1", _arg_text(float(b1))), ("--adam_beta2", _arg_text(float(b2)))]
-    for key in ("eps", "weight_decay"):
-        if params.get(key) != "auto":
-            flags.append((TRAINER_FLAGS[key], _arg_text(float(kw.get(key, ds[key])))))
-    missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in params]
+    for key in _HYPER:
+        if params.get(key) == "auto":
+            continue
+        value = kw.get(key, ds[key])
+        if key == "betas":
+            flags += [("--adam_beta1", _arg_text(float(value[0]))), ("--adam_beta2", _arg_text(float(value[1])))]
+        else:
+            flags.append((FROM_TRAINING_ARGS[key], _arg_text(float(value))))
+    missing = [k for k in _HYPER if k not in params]
     if missing:
         conv.note("optimizer.params", f"{', '.join(missing)} not given: DeepSpeed's defaults, which are the"
                                       " constructor's too (the launcher line passes them, as the Trainer's differ)")
@@ -351,13 +314,12 @@ def _training_loop(conv: Conversion, config: dict) -> None:
 
     # ZeRO, apex AMP and sparse gradients: not honoured
     zero = config.get("zero_optimization")
-    if zero is not None:
-        stage = zero.get("stage", 0) if isinstance(zero, dict) else zero
-        if stage not in (0, False, None):
-            raise ConversionError(
-                f"zero_optimization.stage {stage!r}: DeepSpeed's 1-bit optimizers refused ZeRO too (stage 0 only), and"
-                " hf_onebit replaces DDP's all-reduce of a replicated model. Drop zero_optimization and train with"
-                " plain DDP (FSDP2 sharded inside each node works in a plain PyTorch loop: docs/api.md)")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else zero
+    if stage not in (0, False, None):
+        raise ConversionError(
+            f"zero_optimization.stage {stage!r}: DeepSpeed's 1-bit optimizers refused ZeRO too (stage 0 only), and"
+            " hf_onebit replaces DDP's all-reduce of a replicated model. Drop zero_optimization and train with"
+            " plain DDP (FSDP2 sharded inside each node works in a plain PyTorch loop: docs/api.md)")
     amp = config.get("amp")
     if isinstance(amp, dict) and amp.get("enabled"):
         raise ConversionError("amp.enabled: apex AMP has no equivalent here; use \"fp16\": {\"enabled\": true} (torch's"
@@ -371,12 +333,12 @@ def _training_loop(conv: Conversion, config: dict) -> None:
     bf16 = _enabled(config.get("bf16", config.get("bfloat16")), "bf16")
     if fp16 is True and bf16 is True:
         raise ConversionError("fp16 and bf16 are both enabled; DeepSpeed refused that too: enable one")
+    if fp16 is True or bf16 is True:
+        conv.precision = "fp16" if fp16 is True else "bf16"
+        flags.append((f"--{conv.precision}", None))
     if fp16 is True:
-        conv.precision = "fp16"
-        flags.append(("--fp16", None))
         section = config["fp16"]
-        scale = section.get("loss_scale", 0)
-        power = section.get("initial_scale_power", 16)
+        scale, power = section.get("loss_scale", 0), section.get("initial_scale_power", 16)
         text = ("fp16: --fp16 (the Trainer's GradScaler); in your own loop torch.autocast(\"cuda\", dtype=torch.float16)"
                 " with a torch.amp.GradScaler passed to hf_onebit.attach(ddp, opt, grad_scaler=scaler). Moments and"
                 " error buffers stay fp32.")
@@ -392,8 +354,6 @@ def _training_loop(conv: Conversion, config: dict) -> None:
         if name == "OneBitLamb" and scale not in (0, 0.0, None):
             conv.note("loss_scale", "DeepSpeed's 1-bit LAMB required dynamic loss scaling; GradScaler is dynamic")
     elif bf16 is True:
-        conv.precision = "bf16"
-        flags.append(("--bf16", None))
         conv.note("bf16", "bf16: --bf16 (on CPU also --use_cpu); in your own loop torch.autocast(..., dtype=torch.bfloat16)."
                           " Moments and error buffers stay fp32. DeepSpeed verified its 1-bit optimizers under fp16 only.")
     for which, value in (("fp16", fp16), ("bf16", bf16)):
@@ -404,34 +364,26 @@ def _training_loop(conv: Conversion, config: dict) -> None:
     clip = config.get("gradient_clipping", 0.0)
     if clip == "auto":
         conv.note("gradient_clipping", "gradient_clipping \"auto\": as your --max_grad_norm says")
+    elif name == "OneBitLamb":
+        clip = _number(clip, "gradient_clipping")
+        flags.append(("--max_grad_norm", _arg_text(clip)))
+        conv.note("gradient_clipping", (
+            f"gradient_clipping {clip:g} -> --max_grad_norm {clip:g}. After the freeze .grad holds the averaged"
+            " momentum, so that is what gets clipped (DeepSpeed clipped the gradient); in your own loop:"
+            " torch.nn.utils.clip_grad_norm_ before step()."
+        ) if clip else "no gradient_clipping -> --max_grad_norm 0, as DeepSpeed (the Trainer's default clips at 1.0)")
     else:
         clip = _number(clip, "gradient_clipping")
-        if name == "OneBitLamb":
-            flags.append(("--max_grad_norm", _arg_text(clip)))
-            if clip:
-                conv.note("gradient_clipping",
-                          f"gradient_clipping {clip:g} -> --max_grad_norm {clip:g}. After the freeze .grad holds the"
-                          " averaged momentum, so that is what gets clipped (DeepSpeed clipped the gradient); in your"
-                          " own loop: torch.nn.utils.clip_grad_norm_ before step().")
-            else:
-                conv.note("gradient_clipping", "no gradient_clipping -> --max_grad_norm 0, as DeepSpeed (the Trainer's"
-                                               " default clips at 1.0)")
-        else:
-            from hf_onebit.integrations.defaults import NO_CLIPPING
-
-            flags.append(("--max_grad_norm", "0"))
-            if clip:
-                conv.note("gradient_clipping",
-                          f"gradient_clipping {clip:g} -> --max_grad_norm 0: {NO_CLIPPING[conv.optim]} (DeepSpeed"
-                          " clipped the gradient, which hf_onebit never holds after the freeze). --max_grad_norm"
-                          f" {clip:g} clips that momentum anyway; in your own loop do not clip. The library's"
-                          " update_clip=1.0 bounds each coordinate's step instead.")
+        flags.append(("--max_grad_norm", "0"))
+        if clip:
+            conv.note("gradient_clipping",
+                      f"gradient_clipping {clip:g} -> --max_grad_norm 0: {NO_CLIPPING[conv.optim]} (DeepSpeed clipped"
+                      " the gradient, which hf_onebit never holds after the freeze). --max_grad_norm"
+                      f" {clip:g} clips that momentum anyway; in your own loop do not clip. The library's"
+                      " update_clip=1.0 bounds each coordinate's step instead.")
 
     # batch sizes: a per-process batch and accumulation, as DeepSpeed's
-    batch = {k: config[k] for k in _BATCH if k in config and config[k] != "auto"}
-    for k in batch:
-        batch[k] = _number(batch[k], k, int)
-    micro, accum, total = (batch.get(k) for k in _BATCH[1:] + _BATCH[:1])
+    total, micro, accum = (None if config.get(k, "auto") == "auto" else _number(config[k], k, int) for k in _BATCH)
     if micro is not None:
         flags.append(("--per_device_train_batch_size", str(micro)))
     if accum is not None:
@@ -462,17 +414,12 @@ def _training_loop(conv: Conversion, config: dict) -> None:
                                " the lr a scheduler sets, step by step")
 
     # everything else
-    handled = {"optimizer", "fp16", "bf16", "bfloat16", "gradient_clipping", "zero_optimization", "amp", "scheduler",
-               "sparse_gradients", *_BATCH}
-    ignored = [k for k in config if k not in handled]
-    if ignored:
-        known = [k for k in ignored if k in _NO_EFFECT]
-        other = [k for k in ignored if k not in _NO_EFFECT]
-        parts = []
-        if known:
-            parts.append(f"{', '.join(known)}: no effect on the optimizer, ignored")
-        if other:
-            parts.append(f"{', '.join(other)}: not converted, ignored (check that you do not need them)")
+    known = [k for k in config if k not in _HANDLED and k in _NO_EFFECT]
+    other = [k for k in config if k not in _HANDLED and k not in _NO_EFFECT]
+    parts = [f"{', '.join(known)}: no effect on the optimizer, ignored"] if known else []
+    if other:
+        parts.append(f"{', '.join(other)}: not converted, ignored (check that you do not need them)")
+    if parts:
         conv.note("ignored", "; ".join(parts))
 
 
@@ -487,76 +434,3 @@ def load(path: str) -> dict:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConversionError(f"{path} is not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from exc
-
-
-WIDTH = 100  # the printed lines: commands wrapped where bash and Python allow, notes as paragraphs
-
-
-def _shell_lines(args: list[str]) -> str:
-    """The launcher's arguments, quoted, over lines of at most :data:`WIDTH` joined by `` \\``."""
-    quoted = [f'"{a}"' if "," in a or "=" in a else a for a in args]
-    words = []  # a flag with its value: never split between lines
-    for w in quoted:
-        if words and not w.startswith("--") and words[-1].startswith("--") and " " not in words[-1]:
-            words[-1] = f"{words[-1]} {w}"
-        else:
-            words.append(w)
-    lines, line = [], ""
-    for w in words:
-        if line and len(line) + 1 + len(w) > WIDTH - 4:
-            lines.append(line)
-            line = w
-        else:
-            line = f"{line} {w}" if line else w
-    lines.append(line)
-    return " \\\n    ".join(lines)
-
-
-def report(conv: Conversion, path: str) -> str:
-    """What the command prints."""
-    import textwrap
-
-    def call(text: str) -> str:  # breaks after commas inside the parentheses: still valid Python
-        return textwrap.fill(text, WIDTH, initial_indent="  ", subsequent_indent="      ", break_long_words=False,
-                             break_on_hyphens=False)
-
-    lines = [
-        f"{path}: DeepSpeed {conv.deepspeed_type} -> hf_onebit.{conv.cls_name}, reproducing DeepSpeed's behaviour",
-        "",
-        "HF Trainer (hf-onebit run / -m hf_onebit.run SCRIPT.py ...):",
-        f"  {_shell_lines(conv.launcher_args())}",
-        "",
-        "Plain PyTorch (DDP, then hf_onebit.attach(ddp, opt)):",
-        call(conv.constructor_call()),
-        "",
-        "Differences from DeepSpeed, key by key:",
-    ]
-    lines += [textwrap.fill(text, WIDTH, initial_indent="  - ", subsequent_indent="    ", break_long_words=False,
-                            break_on_hyphens=False) for _, text in conv.notes]
-    lines += [
-        "",
-        textwrap.fill("Or hf_onebit's library defaults (automatic freeze, 8-bit warmup, update_clip=1.0, one scale per"
-                      " tensor" + ("" if conv.cls_name == "OneBitLamb" else ", bias correction")
-                      + "), with DeepSpeed's hyperparameters:", WIDTH),
-        f"  {_shell_lines(conv.launcher_args(library=True))}",
-        call(conv.constructor_call(library=True)),
-    ]
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    """``hf-onebit from-deepspeed DS_CONFIG.json``: print the conversion; 2 on bad input."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"{USAGE}\n\nprints the hf_onebit equivalent of a DeepSpeed config of OneBitAdam, ZeroOneAdam or"
-              " OneBitLamb: the launcher's --optim/--optim_args and flags, the constructor call, and every difference")
-        return 0 if argv else 2
-    if len(argv) != 1:
-        print(USAGE, file=sys.stderr)
-        return 2
-    try:
-        conv = convert(load(argv[0]))
-    except ConversionError as exc:
-        print(f"hf-onebit from-deepspeed: error: {exc}", file=sys.stderr)
-        return 2
-    print(report(conv, argv[0]))
-    return 0

@@ -176,7 +176,7 @@ def main(argv=None) -> None:
 
         raise SystemExit(estimate(argv[1:]))
     if argv[0] == "from-deepspeed":
-        from hf_onebit.integrations.deepspeed_config import main as from_deepspeed
+        from hf_onebit.integrations.from_deepspeed import main as from_deepspeed
 
         raise SystemExit(from_deepspeed(argv[1:]))
     if argv[0] != "run":

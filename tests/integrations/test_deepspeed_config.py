@@ -15,7 +15,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_onebit.integrations import options
-from hf_onebit.integrations.deepspeed_config import ConversionError, convert, load, main
+from hf_onebit.integrations.deepspeed_config import ConversionError, convert, load
+from hf_onebit.integrations.from_deepspeed import main
 from tests.distributed import run_distributed
 from tests.integrations.launch import run
 
@@ -188,7 +189,7 @@ def test_the_paper_preset_and_what_it_changes_are_stated(name):
 
 
 def conv_report(conv) -> str:
-    from hf_onebit.integrations.deepspeed_config import report
+    from hf_onebit.integrations.from_deepspeed import report
 
     return report(conv, "ds_config.json")
 
