@@ -4,6 +4,7 @@
     python benchmarks/robustness.py --task lm --json lm.json              # the small causal LM from scratch
     python benchmarks/robustness.py --task minilm --steps 60 240 --lr-mults 1 --world-sizes 2 --json corners.json
     python benchmarks/robustness.py --report bow.json lm.json [--plot docs/img/robustness.png]
+                                   (a later file's run of a cell replaces an earlier one)
 
 A method is judged against the method it compresses, at the **same** hyperparameters (lr, run
 length, world size, global batch, seed, data order): 1-bit Adam and 0/1 Adam against AdamW, 1-bit
@@ -334,10 +335,21 @@ def gaps(runs: list[dict], metric: str) -> list[dict]:
     return out
 
 
+def merged(results: list[dict]) -> list[dict]:
+    """One result per task, a later file's run replacing an earlier one of the same cell (a re-run
+    of one method after a change of its defaults)."""
+    by_task: dict[str, dict] = {}
+    for res in results:
+        task = by_task.setdefault(res["meta"]["task"], dict(meta=res["meta"], runs={}))
+        for r in res["runs"]:
+            task["runs"][(r["method"], r["lr_mult"], r["steps"], r["world"], r["seed"], r["freeze"])] = r
+    return [dict(meta=t["meta"], runs=list(t["runs"].values())) for t in by_task.values()]
+
+
 def summarize(results: list[dict]) -> dict:
     """Per (task, method, freeze, lr_mult, steps, world): the mean gap over seeds; per method its worst cell."""
     cells = {}
-    for res in results:
+    for res in merged(results):
         metric = res["meta"]["metric"]
         for g in gaps(res["runs"], metric):
             key = (res["meta"]["task"], g["method"], g["freeze"], g["lr_mult"], g["steps"], g["world"])

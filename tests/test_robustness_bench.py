@@ -64,6 +64,15 @@ def test_the_report_names_each_methods_worst_cell(capsys):
     assert "+2.50 points  at lr x4, 40 steps, 2 ranks, freeze auto (2 seeds)" in capsys.readouterr().out
 
 
+def test_a_later_run_of_a_cell_replaces_the_earlier_one():
+    meta = dict(task="bow", metric="accuracy")
+    base = dict(method="adamw", lr_mult=1, steps=40, world=2, seed=1, freeze="-", score=80.0)
+    before = dict(base, method="zeroone_adam", freeze="auto", score=75.0)
+    after = dict(before, score=79.5)
+    worst = rb.summarize([dict(meta=meta, runs=[base, before]), dict(meta=meta, runs=[after])])["worst"]
+    assert worst[("bow", "zeroone_adam")][0] == pytest.approx(0.5)
+
+
 def test_a_tiny_grid_runs_and_reports(tmp_path):
     out = tmp_path / "grid.json"
     proc = subprocess.run(
