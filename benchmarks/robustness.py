@@ -372,6 +372,7 @@ def print_report(results: list[dict]) -> None:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """One row of heat maps per task, one map per method (and freeze): lr against run length and ranks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -379,28 +380,32 @@ def plot(results: list[dict], path: Path) -> None:
     import numpy as np
 
     s = summarize(results)["cells"]
-    panels = sorted({(k[0], k[1], k[2]) for k in s})
-    cols = sorted({(k[4], k[5]) for k in s})
-    mults = sorted({k[3] for k in s})
-    fig, axes = plt.subplots(len(panels), 1, figsize=(1.1 * len(cols) + 2.5, 1.0 * len(mults) * len(panels) + 1.2),
-                             squeeze=False)
-    for ax, (task, method, freeze) in zip(axes[:, 0], panels):
-        grid = np.full((len(mults), len(cols)), np.nan)
-        for i, m in enumerate(mults):
-            for j, (steps, world) in enumerate(cols):
-                if (task, method, freeze, m, steps, world) in s:
-                    grid[i, j] = s[(task, method, freeze, m, steps, world)][0]
-        limit = 1.0 if task != "lm" else 2.0
-        ax.imshow(grid, cmap="RdYlGn_r", vmin=-2 * limit, vmax=2 * limit, aspect="auto")
-        for i, j in itertools.product(range(len(mults)), range(len(cols))):
-            if not np.isnan(grid[i, j]):
-                ax.text(j, i, f"{grid[i, j]:+.1f}", ha="center", va="center", fontsize=7)
-        ax.set_yticks(range(len(mults)), [f"lr x{m:g}" for m in mults], fontsize=7)
-        ax.set_xticks(range(len(cols)), [f"{st} st\n{w} ranks" for st, w in cols], fontsize=7)
-        ax.set_title(f"{task}: {LABELS[method]}" + (f", freeze {freeze}" if freeze != "-" else ""), fontsize=8)
-    fig.suptitle("gap to the uncompressed baseline (points; lm: % held-out loss); >0 = worse", fontsize=9)
+    tasks = sorted({k[0] for k in s})
+    panels = {t: sorted({(k[1], k[2]) for k in s if k[0] == t}) for t in tasks}
+    ncols = max(len(p) for p in panels.values())
+    fig, axes = plt.subplots(len(tasks), ncols, figsize=(2.7 * ncols, 2.6 * len(tasks)), squeeze=False)
+    for row, task in enumerate(tasks):
+        mults = sorted({k[3] for k in s if k[0] == task})
+        cols = sorted({(k[4], k[5]) for k in s if k[0] == task})
+        limit = 2.0 if task == "lm" else 1.0
+        for ax in axes[row, len(panels[task]):]:
+            ax.axis("off")
+        for ax, (method, freeze) in zip(axes[row], panels[task]):
+            grid = np.full((len(mults), len(cols)), np.nan)
+            for i, m in enumerate(mults):
+                for j, (steps, world) in enumerate(cols):
+                    grid[i, j] = s.get((task, method, freeze, m, steps, world), (np.nan,))[0]
+            ax.imshow(grid, cmap="RdYlGn_r", vmin=-2 * limit, vmax=2 * limit, aspect="auto")
+            for i, j in itertools.product(range(len(mults)), range(len(cols))):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:+.1f}", ha="center", va="center", fontsize=7)
+            ax.set_yticks(range(len(mults)), [f"lr x{m:g}" for m in mults], fontsize=7)
+            ax.set_xticks(range(len(cols)), [f"{st} st\n{w} ranks" for st, w in cols], fontsize=6)
+            ax.set_title(f"{task}: {LABELS[method]}" + (f", freeze {freeze}" if freeze != "-" else ""), fontsize=8)
+    fig.suptitle("gap to the method's own uncompressed baseline (points; lm: % held-out loss); > 0: worse",
+                 fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None) -> None:
