@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -245,5 +246,11 @@ def test_the_cost_model_page_reprints_both_commands(capsys):
 
     estimate_check.main(["--markdown"])
     lines = capsys.readouterr().out.splitlines()
-    for line in lines[: lines.index("") + 3]:  # the table and the two summary lines
+    for line in lines[: lines.index("")]:  # the table, line for line
         assert line in page, line
+    # the two summary lines, as the page's sentence quotes them
+    summary = " ".join(lines[lines.index("") + 1: lines.index("") + 3])
+    counts = re.findall(r"\d+ of \d+", summary)
+    assert len(counts) == 2 and re.search(r"median \|error\| \d+%", summary), summary
+    for figure in counts + re.findall(r"median \|error\| \d+%", summary):
+        assert figure in " ".join(page.split()), figure
