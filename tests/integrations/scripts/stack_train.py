@@ -33,27 +33,10 @@ from transformers import (
     TrainingArguments,
 )
 
+from onebit_train import Synthetic  # the same tiny task (this script's folder is on sys.path)
+
 from hf_onebit.integrations.accelerate import unwrap_optimizer
 from hf_onebit.optim import OneBitOptimizer
-
-
-class Synthetic(torch.utils.data.Dataset):
-    """Label 1: tokens mostly from the upper half of the vocabulary (as recipes/stock_trainer_tiny_bert.py)."""
-
-    def __init__(self, n, seq, vocab=32, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.labels = torch.randint(0, 2, (n,), generator=g)
-        half = (vocab - 3) // 2
-        ids = torch.randint(0, half, (n, seq), generator=g) + 3 + self.labels[:, None] * half
-        noise = torch.rand(n, seq, generator=g) < 0.3
-        self.ids = torch.where(noise, torch.randint(3, vocab, (n, seq), generator=g), ids)
-        self.ids[:, 0] = 1
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
 class Observer(TrainerCallback):
