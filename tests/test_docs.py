@@ -362,7 +362,8 @@ def test_the_readme_figures_are_results_figures():
 def test_the_robustness_table_reprints_the_stored_grid():
     """results.md's worst cells against each method's own baseline are ``robustness.py --report`` of
     the stored runs, and the which-optimizer table's last column is the grid's worst cell."""
-    files = ["bow_2ranks", "bow_2ranks_zeroone", "bow_8ranks", "minilm_60", "minilm_zeroone_60", "minilm_lamb_60"]
+    files = ["bow_2ranks", "bow_2ranks_zeroone", "bow_8ranks", "minilm_60", "minilm_zeroone_60", "minilm_lamb_60",
+             "lm_2ranks"]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "robustness.py"), "--report",
                            *[str(REPO / "docs" / "img" / "robustness" / f"{f}.json") for f in files]],
                           capture_output=True, text=True, timeout=120)
@@ -376,7 +377,7 @@ def test_the_robustness_table_reprints_the_stored_grid():
         task, rest = line.split(None, 1)
         label = next(n for n in names if rest.startswith(n))
         gap = rest[len(label):].split()[0]  # "+2.30"
-        column = 1 if task == "bow" else 2
+        column = {"bow": 1, "minilm": 2, "lm": 3}[task]
         assert rows[label][column].startswith(gap), f"results.md {label} {task}: {rows[label][column]} vs {line}"
         if task == "bow":
             assert which[names[label]][-1].startswith(gap.lstrip("+")), f"getting-started.md {label}: {gap}"
