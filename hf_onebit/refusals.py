@@ -8,6 +8,8 @@ Each raises :class:`UnsupportedSetup`, a ``ValueError``.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from hf_onebit.comm import runs_inline
@@ -70,13 +72,14 @@ def check_compiled_autograd(ddp) -> None:
     is attached is refused here, at attach time. ``torch.compile`` of the model without compiled
     autograd (``optimize_ddp`` True, the default) works: the backward runs DDP's C++ reducer.
     """
-    import torch._dynamo  # noqa: F401 - torch.compile's config; imported by torch.nn.parallel already
-
+    # Either setting lives in torch._dynamo's config: where nothing imported torch._dynamo (1.2 s
+    # of start-up), nothing set it, so it is read only from an already imported module.
+    dynamo = sys.modules.get("torch._dynamo")
     used = getattr(ddp, "_use_python_reducer", None)  # what DDP chose when it was built
-    if used is None:  # a torch without the attribute: the mode now
-        used = torch._dynamo.utils.get_optimize_ddp_mode() == "python_reducer"
+    if used is None and dynamo is not None:  # a torch without the attribute: the mode now
+        used = dynamo.utils.get_optimize_ddp_mode() == "python_reducer"
     python_reducer = bool(used)
-    compiled_autograd = bool(getattr(torch._dynamo.config, "compiled_autograd", False))
+    compiled_autograd = dynamo is not None and bool(getattr(dynamo.config, "compiled_autograd", False))
     if not (python_reducer or compiled_autograd):
         return
     what = ("this DistributedDataParallel model was built while torch._dynamo.config.optimize_ddp was"

@@ -28,6 +28,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -227,6 +229,16 @@ def test_compiled_autograd_and_the_python_reducer_are_refused_by_attach(monkeypa
     monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
     with pytest.raises(UnsupportedSetup, match="compiled_autograd is True.*compiled_autograd = False"):
         check_compiled_autograd(types.SimpleNamespace(_use_python_reducer=False))
+
+
+def test_the_check_does_not_import_dynamo_where_nothing_did():
+    """Neither setting can be on unless torch._dynamo was imported: attach does not pay its import."""
+    code = ("import sys, types, torch.nn.parallel; from hf_onebit.refusals import check_compiled_autograd; "
+            "check_compiled_autograd(types.SimpleNamespace(_use_python_reducer=False)); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
 
 
 def test_the_hook_refuses_a_per_parameter_call():
