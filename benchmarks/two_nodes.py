@@ -43,9 +43,9 @@ Reported per method: samples/s in the compression phase (steps freeze+3 .. steps
 to AdamW and to flat 1-bit Adam; bytes sent per rank per step (the counters of network.py);
 bytes per step on the inter-node link, counted and measured (both veth ends' tx: both
 directions, TCP/IP headers and ACKs included); the loopbacks' bytes (intra-node); rounds per
-step. Counted inter-node bytes: the exchange by node counts its own (``inter_node_stats``); for
-the flat collectives a fixed share of the counted bytes crosses, from gloo's algorithms on 2x2
-ranks in rank order (ring: 1/2, pairwise all-to-all: 2/3, flat 1-bit exchange: 7/12; see
+step. Counted inter-node bytes: hf_onebit's own count (``inter_node_bytes_sent``: the exchange by
+node exactly, the flat collectives by gloo's algorithms on 2x2 ranks in rank order, ring 1/2,
+pairwise all-to-all 2/3, flat 1-bit exchange ~7/12; the baselines' rings 1/2; see
 netbench/twonode.py); the veth column measures it.
 
 Time: AdamW's ring all-reduce sends 1.5 x 44 MB per rank and step, and one rank's share
@@ -128,7 +128,7 @@ def print_rate(entry: dict) -> None:
     for line in markdown_table(entry["rate"], summary, link):
         print(line)
     print("samples/s: compression-phase window, all ranks (vs AdamW: FSDP2 rows against HSDP + AdamW);"
-          " B/step per rank: what each rank sends (its counters, intra- and inter-node); inter-node B/step: both directions, all ranks, counted (inter_node_stats"
+          " B/step per rank: what each rank sends (its counters, intra- and inter-node); inter-node B/step: both directions, all ranks, counted (inter_node_bytes_sent"
           " for the exchange by node, gloo's algorithm shares for the flat collectives, DDP's buffer broadcast)"
           " and measured on the veth (tx of both ends: TCP/IP headers and ACKs included); intra-node: the counted"
           " bytes that stay inside a node, and both namespaces' loopback tx")

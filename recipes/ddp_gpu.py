@@ -91,9 +91,12 @@ def main() -> None:
         s = opt.onebit_stats()
         print(f"dev accuracy {accuracy:.4f}  warmup ended after step {opt.freeze_step}")
         print(f"sent {s['bytes_sent']:,} B per rank; an fp32 all-reduce would have sent"
-              f" {s['fp32_allreduce_bytes']:,} B ({s['compression_ratio']:.1f}x)", flush=True)
-        if args.hierarchical:
-            print(f"of which between nodes {s['inter_node_bytes_sent']:,} B", flush=True)
+              f" {s['fp32_allreduce_bytes']:,} B ({s['fp32_allreduce_bytes'] / s['bytes_sent']:.1f}x)", flush=True)
+        if s["inter_node_ratio"] is not None:  # several nodes: the slow link's share, and the rest
+            inside = s["intra_node_ratio"]
+            print(f"between nodes {s['inter_node_bytes_sent']:,} B ({s['inter_node_ratio']:.1f}x fewer than fp32 DDP's);"
+                  f" inside the node {s['intra_node_bytes_sent']:,} B"
+                  + (f" ({inside:.1f}x)" if inside is not None else ""), flush=True)
     dist.destroy_process_group()
 
 

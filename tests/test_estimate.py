@@ -47,7 +47,7 @@ def _library_counts(rank, world_size, by_node):
                 ex = CompressedAllReduce(numel, "cpu", piece_sizes=pieces)
             ex(x.clone(), width=width)
             s = ex.stats.snapshot()
-            inter = ex.inter_node_stats.snapshot().bytes_sent if by_node else None
+            inter = s.inter_node_sent if by_node else None
             out[("compressed", width, pieces is not None)] = (s.bytes_sent, s.rounds, inter)
     vote = VoteAllGather(dist.group.WORLD, world_size, nodes)
     padded = vote.padded_length(numel)
@@ -56,7 +56,7 @@ def _library_counts(rank, world_size, by_node):
     kwargs = dict(node_uniform=torch.full((numel,), 0.5), scratch=torch.empty(padded)) if by_node else {}
     vote(votes, torch.tensor(True), numel, **kwargs)
     s = vote.stats.snapshot()
-    out[("vote",)] = (s.bytes_sent, s.rounds, vote.inter_node_stats.snapshot().bytes_sent if by_node else None)
+    out[("vote",)] = (s.bytes_sent, s.rounds, s.inter_node_sent if by_node else None)
     return out
 
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from netbench import LABELS, NODE_METHODS  # noqa: E402
 from netbench.methods import onebit_optimizer  # noqa: E402
-from netbench.twonode import COMPRESSED_SHARE, RING_SHARE, inter_node_counted, link_summary  # noqa: E402
+from netbench.twonode import RING_SHARE, inter_node_counted, link_summary  # noqa: E402
 
 
 def rec(bytes_, inter=0, fp32=0, veth=0, lo=0):
@@ -22,15 +22,15 @@ def rec(bytes_, inter=0, fp32=0, veth=0, lo=0):
 
 def test_shares():
     assert RING_SHARE == 0.5
-    assert COMPRESSED_SHARE == pytest.approx(7 / 12)
 
 
-def test_counted_per_step():
-    # step 1: fp32 (ring), step 2: flat compressed, step 3: by node (inter counter grew), step 4: nothing
-    r = [rec(100, 0, 100), rec(110, 0, 420), rec(150, 6, 740), rec(150, 6, 740)]
-    out = inter_node_counted("onebit_adam_nodes", [r, r], buffer_bytes=5)
+def test_counted_per_step_is_the_optimizers_own_count():
+    # step 1: fp32 (50 of 100 left the node), step 2: compressed (6 of 10), step 3: a local step
+    # (fp32 equivalent only), step 4: nothing
+    r = [rec(100, 50, 100), rec(110, 56, 420), rec(110, 56, 740), rec(110, 56, 740)]
+    out = inter_node_counted("onebit_adam", [r, r], buffer_bytes=5)
     # the buffer broadcast (2 x 5) once per step, plus each of the 2 ranks' crossing bytes
-    assert out == pytest.approx([10 + 2 * 50, 10 + 2 * 10 * 7 / 12, 10 + 2 * 6, 10])
+    assert out == pytest.approx([10 + 2 * 50, 10 + 2 * 6, 10, 10])
 
 
 def test_counted_hybrid_sharding_is_what_it_counts_as_crossing():

@@ -185,7 +185,8 @@ class HSDPCount:
     reduce-scatter of the trained ones' gradients, ``(L-1)/L`` of their bytes each. Between the
     nodes: native HSDP's fp32 ring all-reduce of the rank's ``1/L`` gradient shard, or what the
     hf_onebit optimizer counts of its own exchange (all of which crosses: its group holds one rank
-    per node). The crossing bytes also go to ``opt.inter_node_stats``, which the two-node probe reads.
+    per node). For the baselines the crossing bytes are counted in ``opt.inter_node_stats``, which the
+    two-node probe reads (hf_onebit's optimizers count their own, ``onebit_stats()``).
     """
 
     def __init__(self, model, opt) -> None:
@@ -199,9 +200,7 @@ class HSDPCount:
         every, trained = _param_bytes(model)
         self.intra = (local - 1) * (every + trained) // local
         self.onebit = hasattr(opt, "comm_stats")
-        if self.onebit:
-            opt.inter_node_stats = opt.comm_stats  # every byte it counts crosses between the nodes
-        else:
+        if not self.onebit:  # hf_onebit counts its own (its group holds one rank per node: all of it crosses)
             opt.inter_node_stats = CommStats()
             self.record = CommRecord(bytes_sent=allreduce_bytes(trained // local, nodes), rounds=1)
         self.opt, self.steps = opt, 0
@@ -218,7 +217,7 @@ class HSDPCount:
             self.opt.inter_node_stats.record(self.record)
 
     def read(self) -> tuple[int, int]:
-        inter = self.opt.inter_node_stats.snapshot()
+        inter = self.opt.comm_stats.snapshot() if self.onebit else self.opt.inter_node_stats.snapshot()
         return self.steps * self.intra + inter.bytes_sent, 2 * self.steps + inter.rounds
 
 

@@ -14,13 +14,14 @@ the loopback: intra-node traffic never touches the veth (checked: ``ip route get
 rate-limited with the token bucket of ``benchmarks/network.py`` (``tbf rate RATE burst
 max(256kb, 2 ms of RATE) latency 50ms``), so each direction of the inter-node link carries RATE.
 
-Counted inter-node bytes (the "model" of :func:`inter_node_counted`): the exchange by node
-counts them itself (``optimizer.inter_node_stats``). The flat collectives cross in a share fixed
-by gloo's algorithms on 2 nodes of 2 ranks in rank order: a ring (all-reduce, all-gather: rank
+Counted inter-node bytes (the "model" of :func:`inter_node_counted`): hf_onebit's optimizers
+count what leaves the node themselves (``onebit_stats()["inter_node_bytes_sent"]``,
+:mod:`hf_onebit.comm.stats`): the exchange by node exactly, the flat collectives by gloo's
+algorithms over ranks in rank order: on 2 nodes of 2 ranks a ring (all-reduce, all-gather: rank
 ``r`` sends to ``r ± 1``) has 2 of its 4 edges between the nodes, so **1/2** of what the ranks
-send crosses; the pairwise all-to-all sends 2 of each rank's 3 chunks to the other node,
-**2/3**. The flat compressed all-reduce sends as many bytes in its all-to-all as in its
-all-gathers (spec §1, the scales aside), so **7/12** of it crosses. DDP also broadcasts the
+send crosses; the pairwise all-to-all sends 2 of each rank's 3 chunks to the other node, **2/3**
+(the flat compressed all-reduce, half all-to-all and half all-gather: about 7/12). The
+baselines' rings count **1/2**. DDP also broadcasts the
 model's buffers from rank 0 before every forward (``broadcast_buffers``, which no counter sees):
 gloo's binomial tree sends 0 -> 1, then 0 -> 2 and 1 -> 3, so **twice the buffers' bytes** cross
 per step (16 KB for minilm: its position and token-type ids, 512 int64 each). What the veth sees beyond
@@ -47,8 +48,6 @@ from netbench.link import _run, tbf_burst_bytes
 
 BROADCAST_CROSSINGS = 2  # DDP's buffer broadcast from rank 0, binomial tree: 0->2 and 1->3 cross
 RING_SHARE = 1 / 2  # ring all-reduce / all-gather, 2 nodes x 2 ranks in rank order: 2 of 4 edges cross
-ALLTOALL_SHARE = 2 / 3  # pairwise all-to-all: 2 of a rank's 3 peers are on the other node
-COMPRESSED_SHARE = (ALLTOALL_SHARE + RING_SHARE) / 2  # spec §1: all-to-all bytes = all-gather bytes
 
 VETH = ("hfobv0", "hfobv1")  # the veth end inside namespace A, B
 
@@ -200,10 +199,13 @@ def node_probe(veth: str):
     and loopback tx bytes, and the optimizer's own counters (inter-node bytes, fp32 equivalent)."""
 
     def probe(opt) -> dict:
-        inter = getattr(opt, "inter_node_stats", None)
+        inter = getattr(opt, "inter_node_stats", None)  # a baseline's count (netbench.methods)
         stats = getattr(opt, "comm_stats", None)
-        return {"veth": read_tx(veth), "lo_node": read_tx("lo"),
-                "inter": inter.snapshot().bytes_sent if inter is not None else 0,
+        if inter is not None:
+            crossed = inter.snapshot().bytes_sent
+        else:
+            crossed = stats.snapshot().inter_node_sent if stats is not None else 0
+        return {"veth": read_tx(veth), "lo_node": read_tx("lo"), "inter": crossed,
                 "fp32": stats.snapshot().fp32_equivalent if stats is not None else 0}
 
     return probe
@@ -218,11 +220,11 @@ def broadcast_crossing(method: str, buffer_bytes: int) -> int:
 def inter_node_counted(method: str, recs: list, buffer_bytes: int = 0) -> list[float]:
     """Counted bytes that crossed between the nodes at each step (all ranks, both directions).
 
-    Per rank and step: the optimizer's inter-node counter where it grew (the exchange by node);
-    otherwise the step's counted bytes times the share that crosses: 7/12 for a flat compressed
-    step of an hf_onebit optimizer (fp32 equivalent > 2x the bytes), 1/2 for ring all-reduces.
-    Plus DDP's buffer broadcast: ``2 · buffer_bytes`` per step. Hybrid sharding (``hsdp_*``)
-    counts its crossing bytes itself, also on steps with none (0/1 Adam's local steps).
+    Per rank and step: the optimizer's own count of what left the node, where it counts (an
+    hf_onebit optimizer, whose fp32-equivalent counter grows at every step, or hybrid sharding,
+    which counts its crossing bytes itself, also on steps with none); otherwise (the torch
+    baselines' ring all-reduces) half the step's bytes. Plus DDP's buffer broadcast:
+    ``2 · buffer_bytes`` per step.
     """
     steps = len(recs[0])
     hsdp = is_fsdp_method(method)  # FSDP2: what crosses is counted as such
@@ -232,11 +234,7 @@ def inter_node_counted(method: str, recs: list, buffer_bytes: int = 0) -> list[f
         for s, rec in enumerate(r):
             db, di, df = (rec[k] - prev[k] for k in ("bytes", "inter", "fp32"))
             prev = rec
-            if di > 0 or hsdp:
-                out[s] += di
-            elif db > 0:
-                compressed = method != "binsgdm" and df > 2 * db
-                out[s] += (COMPRESSED_SHARE if compressed else RING_SHARE) * db
+            out[s] += di if hsdp or di > 0 or df > 0 else RING_SHARE * db
     return out
 
 

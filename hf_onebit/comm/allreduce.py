@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from hf_onebit.comm.executor import executor_for
-from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, stage
+from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, leaving_node, stage
+from hf_onebit.comm.topology import ranks_on_my_node
 
 
 class MeanAllReduce:
@@ -20,6 +21,7 @@ class MeanAllReduce:
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.stats = stats if stats is not None else CommStats()
+        self.local_size = ranks_on_my_node(group)  # for the bytes between nodes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -31,7 +33,8 @@ class MeanAllReduce:
         moved = allreduce_bytes(x.numel() * x.element_size(), self.world_size)
         fp32 = allreduce_bytes(x.numel() * 4, self.world_size)
         rounds = 1 if self.world_size > 1 else 0
-        self.stats.record(CommRecord(moved, moved, rounds, fp32, 1))
+        n, k = self.world_size, self.local_size
+        self.stats.record(CommRecord(moved, moved, rounds, fp32, 1, leaving_node(moved, 0, n, k), leaving_node(fp32, 0, n, k)))
         return x
 
     def allreduce_async(self, x: torch.Tensor) -> torch.futures.Future:

@@ -82,7 +82,8 @@ import torch.distributed as dist
 
 from hf_onebit.comm.compat import all_gather_into_tensor
 from hf_onebit.comm.executor import executor_for
-from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, stage
+from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, leaving_node, stage
+from hf_onebit.comm.topology import ranks_on_my_node
 from hf_onebit.kernels import get_backend, load_backend
 from hf_onebit.kernels.contract import WIDTHS, Bounds
 
@@ -206,6 +207,7 @@ class CompressedAllReduce:
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.local_size = ranks_on_my_node(group)  # for the bytes between nodes
         if isinstance(kernels, str):
             kernels = load_backend(kernels)
         self.kernels: ModuleType = kernels or get_backend(self.device)
@@ -459,12 +461,15 @@ class CompressedAllReduce:
         signs = (n - 1) * (self.chunk * width // 8)
         payload = (n - 1) * (4 * server_scales + self.chunk * width // 8)
         moved = scales + signs + payload
+        fp32 = allreduce_bytes(4 * self.numel, n)
         return CommRecord(
             bytes_sent=moved,
             bytes_received=moved,
             rounds=3,
-            fp32_equivalent=allreduce_bytes(4 * self.numel, n),
+            fp32_equivalent=fp32,
             calls=1,
+            inter_node_sent=leaving_node(scales + payload, signs, n, self.local_size),
+            inter_node_fp32=leaving_node(fp32, 0, n, self.local_size),
         )
 
     # ------------------------------------------------------------------ entry points

@@ -44,7 +44,7 @@ from hf_onebit.comm.allreduce import finite_flag
 from hf_onebit.comm.compat import all_gather_into_tensor
 from hf_onebit.comm.compressed import CompressedAllReduce
 from hf_onebit.comm.executor import executor_for
-from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
+from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, leaving_node
 from hf_onebit.comm.topology import NodeTopology
 
 
@@ -78,15 +78,14 @@ class HierarchicalCompressedAllReduce:
         nodes: the node layout; its groups are created here if nobody did yet
             (``NodeTopology.create_groups``, a collective: :func:`hf_onebit.attach` does it first).
         kernels, deferred_commit, separate_coded_errors: as for :class:`~hf_onebit.comm.CompressedAllReduce`.
-        stats: every byte this rank sends is counted here.
-        inter_node_stats: the bytes that cross between nodes, counted again here.
+        stats: every byte this rank sends is counted here (those of the inter-node group also
+            as ``inter_node_sent``).
         piece_sizes: the sizes of the tensors concatenated in the buffer: one scale per tensor
             piece of each shard (the shard's own piece layout), as in the flat exchange.
     """
 
     def __init__(self, numel: int, device: torch.device | str, nodes: NodeTopology,
-                 kernels: str | ModuleType | None = None, stats: CommStats | None = None,
-                 inter_node_stats: CommStats | None = None, deferred_commit: bool = False,
+                 kernels: str | ModuleType | None = None, stats: CommStats | None = None, deferred_commit: bool = False,
                  piece_sizes=None, separate_coded_errors: bool = False) -> None:
         if nodes.node_group is None:
             # attach creates them first; a hand-registered hook state reaches here first, on every
@@ -97,7 +96,6 @@ class HierarchicalCompressedAllReduce:
         self.nodes = nodes
         self.world_size = nodes.local_size * nodes.nodes
         self.stats = stats if stats is not None else CommStats()
-        self.inter_node_stats = inter_node_stats if inter_node_stats is not None else CommStats()
         k = nodes.local_size
         self.shard = -(-self.numel // k)  # S
         lo = nodes.local_rank * self.shard
@@ -146,10 +144,7 @@ class HierarchicalCompressedAllReduce:
         # Round 5: every rank of the node gets every shard.
         all_gather_into_tensor(self._gathered, shard, group=topo.node_group)
         out.view(-1).copy_(self._gathered[: self.numel])
-        inter = self.inner.bytes_per_call(width)
         self.stats.record(self.bytes_per_call(width))
-        self.inter_node_stats.record(CommRecord(inter.bytes_sent, inter.bytes_received, inter.rounds,
-                                                allreduce_bytes(4 * self.numel, self.world_size), 1))
         return out
 
     def bytes_per_call(self, width: int = 1) -> CommRecord:
@@ -157,12 +152,15 @@ class HierarchicalCompressedAllReduce:
         k, S = self.nodes.local_size, self.shard
         inter = self.inner.bytes_per_call(width)
         intra = (k - 1) * 4 * (S + 1) + (k - 1) * 4 * S  # reduce-scatter, all-gather
+        fp32 = allreduce_bytes(4 * self.numel, self.world_size)
         return CommRecord(
             bytes_sent=intra + inter.bytes_sent,
             bytes_received=intra + inter.bytes_received,
             rounds=2 + inter.rounds,
-            fp32_equivalent=allreduce_bytes(4 * self.numel, self.world_size),
+            fp32_equivalent=fp32,
             calls=1,
+            inter_node_sent=inter.bytes_sent,
+            inter_node_fp32=leaving_node(fp32, 0, self.world_size, k),
         )
 
     def allreduce_async(self, x: torch.Tensor, out: torch.Tensor | None = None, *,

@@ -10,6 +10,13 @@ bandwidth-optimal algorithm of each collective, i.e. what a ring implementation 
 ``fp32_equivalent`` counts what a plain fp32 all-reduce of the same elements would have sent, so
 ``compression_ratio = fp32_equivalent / sent``. A *round* is one collective call: on a slow
 network each round costs at least one latency, whatever its size.
+
+Between nodes (``k`` of a group's ranks on each node, ranks numbered node by node as torchrun
+numbers them): ``inter_node_sent`` is this rank's share of the bytes that leave its node, and
+``inter_node_fp32`` the same share of an fp32 ring all-reduce's. Under a ring, each node's one
+outgoing edge carries what one rank sends, so a ring collective's share is ``sent / k``; an
+all-to-all sends to each peer directly, ``(n - k)/(n - 1)`` of it to other nodes. The exchange by
+node counts its own (every byte of its inter-node group leaves the node). On one node both are 0.
 """
 
 from __future__ import annotations
@@ -27,6 +34,15 @@ def allreduce_bytes(nbytes: int, world_size: int) -> int:
     return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
 
 
+def leaving_node(ring: int, direct: int, world_size: int, local_size: int) -> int:
+    """This rank's share of the bytes leaving its node, for ``ring`` bytes sent in ring collectives
+    (all-reduce, all-gather) and ``direct`` bytes in all-to-alls, ``local_size`` of the group's
+    ``world_size`` ranks on each node (see the module docstring)."""
+    if local_size >= world_size:
+        return 0
+    return ring // local_size + direct * (world_size - local_size) // (world_size - 1)
+
+
 @dataclass
 class CommRecord:
     """Counters of one call, or the running totals of many."""
@@ -36,11 +52,30 @@ class CommRecord:
     rounds: int = 0
     fp32_equivalent: int = 0
     calls: int = 0
+    inter_node_sent: int = 0
+    inter_node_fp32: int = 0
 
     @property
     def compression_ratio(self) -> float:
         """``fp32_equivalent / bytes_sent`` (1.0 when nothing was sent)."""
         return self.fp32_equivalent / self.bytes_sent if self.bytes_sent else 1.0
+
+    @property
+    def inter_node_ratio(self) -> float | None:
+        """``inter_node_fp32 / inter_node_sent``: the ratio over the links between nodes (``None`` on one node)."""
+        return self.inter_node_fp32 / self.inter_node_sent if self.inter_node_sent else None
+
+    @property
+    def intra_node_ratio(self) -> float | None:
+        """The same ratio for the bytes that stay inside the node (``None`` where none do)."""
+        sent = self.bytes_sent - self.inter_node_sent
+        return (self.fp32_equivalent - self.inter_node_fp32) / sent if sent > 0 else None
+
+    @property
+    def headline_ratio(self) -> float:
+        """The ratio over the slowest link: between nodes where bytes leave the node, else overall."""
+        inter = self.inter_node_ratio
+        return inter if inter is not None else self.compression_ratio
 
     def __iadd__(self, other: "CommRecord") -> "CommRecord":
         self.bytes_sent += other.bytes_sent
@@ -48,6 +83,8 @@ class CommRecord:
         self.rounds += other.rounds
         self.fp32_equivalent += other.fp32_equivalent
         self.calls += other.calls
+        self.inter_node_sent += other.inter_node_sent
+        self.inter_node_fp32 += other.inter_node_fp32
         return self
 
     def __sub__(self, other: "CommRecord") -> "CommRecord":

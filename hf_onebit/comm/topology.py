@@ -89,3 +89,24 @@ def check_same_local_world_size(device: torch.device, group=None, who: str = "hf
             f" on rank {other}): the ranks would build different exchanges by node and hang. Pass"
             " hierarchical=False (the flat exchange), or launch the same number of ranks on every node."
         )
+
+
+def ranks_on_my_node(group=None) -> int:
+    """How many of ``group``'s ranks share this rank's node (for the byte counters' model of what
+    leaves a node, :func:`hf_onebit.comm.stats.leaving_node`).
+
+    Nodes of ``LOCAL_WORLD_SIZE`` ranks numbered node by node; without that variable (or outside a
+    process group) every rank of the group counts as on this node.
+    """
+    if not dist.is_initialized():
+        return 1
+    size = dist.get_world_size(group)
+    try:
+        k = int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        return size
+    if not 1 <= k < dist.get_world_size():
+        return size
+    node = dist.get_rank() // k
+    ranks = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+    return sum(1 for r in ranks if r // k == node)

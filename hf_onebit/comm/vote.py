@@ -51,8 +51,8 @@ from __future__ import annotations
 import torch
 
 from hf_onebit.comm.compat import all_gather_into_tensor
-from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes
-from hf_onebit.comm.topology import NodeTopology
+from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, leaving_node
+from hf_onebit.comm.topology import NodeTopology, ranks_on_my_node
 from hf_onebit.kernels import get_backend
 
 
@@ -63,17 +63,17 @@ class VoteAllGather:
         group: the process group (the whole world when ``topology`` is given).
         world_size: its size ``n``.
         topology: the nodes, for the hierarchical exchange; ``None`` for the flat one.
-        stats: every byte this rank sends is counted here.
-        inter_node_stats: the bytes that cross between nodes, counted again here.
+        stats: every byte this rank sends is counted here (with its share of what leaves the
+            node, :mod:`hf_onebit.comm.stats`).
     """
 
     def __init__(self, group, world_size: int, topology: NodeTopology | None = None,
-                 stats: CommStats | None = None, inter_node_stats: CommStats | None = None) -> None:
+                 stats: CommStats | None = None) -> None:
         self.group = group
         self.world_size = world_size
         self.topology = topology
         self.stats = stats if stats is not None else CommStats()
-        self.inter_node_stats = inter_node_stats if inter_node_stats is not None else CommStats()
+        self.local_size = ranks_on_my_node(group) if topology is None else topology.local_size
 
     @property
     def hierarchical(self) -> bool:
@@ -110,7 +110,8 @@ class VoteAllGather:
         valid = _rows_valid(rows)
         qbar = _vote_mean(rows[:, 4:])
         moved = (n - 1) * (4 + nbytes)
-        self.stats.record(CommRecord(moved, moved, 1, allreduce_bytes(4 * numel, n), 1))
+        fp32, k = allreduce_bytes(4 * numel, n), self.local_size
+        self.stats.record(CommRecord(moved, moved, 1, fp32, 1, leaving_node(moved, 0, n, k), leaving_node(fp32, 0, n, k)))
         return qbar, valid
 
     def _hierarchical(self, votes, finite, numel, node_uniform, theta):
@@ -149,8 +150,7 @@ class VoteAllGather:
         r3 = (k - 1) * nodes * slice_bytes
         moved = r1 + r2 + r3
         fp32 = allreduce_bytes(4 * numel, self.world_size)
-        self.stats.record(CommRecord(moved, moved, 3, fp32, 1))
-        self.inter_node_stats.record(CommRecord(r2, r2, 1, fp32, 1))
+        self.stats.record(CommRecord(moved, moved, 3, fp32, 1, r2, leaving_node(fp32, 0, self.world_size, k)))
         return qbar, valid
 
 

@@ -29,8 +29,8 @@ from hf_onebit.comm.allreduce import finite_flag, poison_unless_all_finite_
 from hf_onebit.comm.failures import with_failure_context
 from hf_onebit.comm.hierarchical import HierarchicalCompressedAllReduce
 from hf_onebit.comm.segments import Segment
-from hf_onebit.comm.stats import CommRecord, allreduce_bytes
-from hf_onebit.comm.topology import NodeTopology
+from hf_onebit.comm.stats import CommRecord, allreduce_bytes, leaving_node
+from hf_onebit.comm.topology import NodeTopology, ranks_on_my_node
 from hf_onebit.hook.buckets import bucket_gradients, compress_bucket
 from hf_onebit.optim import OneBitOptimizer, Plan
 
@@ -124,8 +124,7 @@ class OneBitHookState:
         when the optimizer has a node layout (``nodes``, its groups created by ``attach``)."""
         if nodes is not None:
             return HierarchicalCompressedAllReduce(
-                numel, device, nodes, stats=self.optimizer.comm_stats,
-                inter_node_stats=self.optimizer.inter_node_stats, deferred_commit=self.scaled, piece_sizes=piece_sizes,
+                numel, device, nodes, stats=self.optimizer.comm_stats, deferred_commit=self.scaled, piece_sizes=piece_sizes,
                 separate_coded_errors=separate_coded_errors,
             )
         return CompressedAllReduce(
@@ -193,7 +192,9 @@ class OneBitHookState:
         call = BucketCall(t, attempt, plan, key, params, buffer, grads, scale)
         if plan in (Plan.LOCAL, Plan.SYNC_AFTER_STEP):
             if plan is Plan.LOCAL:  # nothing sent where DDP would have all-reduced the bucket (a sync counts its own)
-                opt.comm_stats.record(CommRecord(fp32_equivalent=allreduce_bytes(4 * buffer.numel(), opt.world_size)))
+                fp32, n = allreduce_bytes(4 * buffer.numel(), opt.world_size), opt.world_size
+                opt.comm_stats.record(CommRecord(fp32_equivalent=fp32, inter_node_fp32=leaving_node(
+                    fp32, 0, n, ranks_on_my_node(self.process_group))))
             if not self.scaled:
                 return _completed(buffer)
             # With a loss scaler, ranks must skip a step together (see poison_unless_all_finite_).

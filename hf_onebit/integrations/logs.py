@@ -14,7 +14,12 @@ key                             meaning (all for *this* rank; bytes as :mod:`hf_
 ``onebit/bytes_per_step``       bytes sent per optimizer step, averaged over the steps since the last log
 ``onebit/bytes_sent``           bytes sent since the start of training (continues across a resume)
 ``onebit/compression_ratio``    bytes an fp32 all-reduce of the same collectives would have sent,
-                                divided by the bytes sent (``optimizer.onebit_stats()``'s ratio)
+                                divided by the bytes sent, over the slowest link: on several nodes
+                                the bytes leaving the node (``optimizer.onebit_stats()``'s ratio)
+``onebit/inter_node_ratio``     the same ratio for the bytes leaving the node; only on several nodes
+``onebit/intra_node_ratio``     the same ratio for the bytes that stay inside the node; only on
+                                several nodes
+``onebit/inter_node_bytes_sent`` bytes that left the node since the start; only on several nodes
 ``onebit/ratio_vs_ddp``         bytes plain DDP would have sent (an all-reduce of every gradient at
                                 every step) divided by the bytes sent; counts the steps 0/1 Adam skips
 ``onebit/comm_ms``              milliseconds per optimizer step that the communication jobs ran
@@ -122,8 +127,13 @@ class CompressionLog:
             out[f"{PREFIX}bytes_per_step"] = (total.bytes_sent - self._last_sent) / steps
         out[f"{PREFIX}bytes_sent"] = total.bytes_sent
         if total.bytes_sent:
-            out[f"{PREFIX}compression_ratio"] = total.fp32_equivalent / total.bytes_sent
+            out[f"{PREFIX}compression_ratio"] = total.headline_ratio
             out[f"{PREFIX}ratio_vs_ddp"] = self.ddp_bytes(opt.steps_done) / total.bytes_sent
+        if total.inter_node_fp32:  # several nodes
+            out[f"{PREFIX}inter_node_bytes_sent"] = total.inter_node_sent
+            for key, ratio in (("inter_node_ratio", total.inter_node_ratio), ("intra_node_ratio", total.intra_node_ratio)):
+                if ratio is not None:
+                    out[f"{PREFIX}{key}"] = ratio
         self._last_steps, self._last_sent = opt.steps_done, total.bytes_sent
         if self._hook is not None:
             times = TIMER.snapshot()
@@ -165,6 +175,9 @@ class CompressionLog:
                 f" sent {_bytes(total.bytes_sent)} where fp32 DDP sends {_bytes(ddp)}")
         if total.bytes_sent:
             line += f" ({ddp / total.bytes_sent:.1f}x fewer, {_bytes(ddp - total.bytes_sent)} saved)"
+        if total.inter_node_ratio is not None:  # several nodes: the slow link first
+            line += (f"; {_bytes(total.inter_node_sent)} of it left the node, {total.inter_node_ratio:.1f}x fewer than"
+                     " fp32 all-reduces of the same buckets send between nodes")
         times = TIMER.settle() - self._run_times if self._hook is not None else TimeRecord()
         if times.comm <= 0:
             return line + "; no communication time measured"

@@ -73,8 +73,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._nodes: NodeTopology | None | bool = False  # False: not decided yet (see nodes())
         if hierarchical and dist.is_initialized():
             self._node_layout(dist.get_world_size(), None)  # an impossible layout is refused at construction
-        #: Traffic between nodes only (the exchange by node), counted like ``comm_stats``.
-        self.inter_node_stats = CommStats()
         #: The hook state (:class:`hf_onebit.hook.OneBitHookState`), which sets itself here when
         #: built (``hf_onebit.attach`` builds it): this optimizer's one way to the network
         #: (``None``: not attached).
@@ -367,7 +365,13 @@ class OneBitOptimizer(torch.optim.Optimizer):
         return guards.check_synced(self, t)
 
     def onebit_stats(self) -> dict:
-        """Cumulative and last-step communication figures, for logs and benchmarks."""
+        """Cumulative and last-step communication figures, for logs and benchmarks.
+
+        ``compression_ratio`` is the ratio over the slowest link: on several nodes, the bytes that
+        leave this rank's node against fp32 DDP's (``inter_node_ratio``), else all bytes against
+        fp32 DDP's. Inside a node and between nodes are also given apart (``None`` where no byte
+        goes that way); see :mod:`hf_onebit.comm.stats` for how they are counted.
+        """
         total = self.comm_stats.snapshot()
         return {
             "phase": self.phase(),
@@ -376,8 +380,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
             "bytes_received": total.bytes_received,
             "rounds": total.rounds,
             "fp32_allreduce_bytes": total.fp32_equivalent,
-            "compression_ratio": total.compression_ratio,
-            "inter_node_bytes_sent": self.inter_node_stats.snapshot().bytes_sent,  # 0 for the flat exchange
+            "compression_ratio": total.headline_ratio,
+            "inter_node_bytes_sent": total.inter_node_sent,
+            "intra_node_bytes_sent": total.bytes_sent - total.inter_node_sent,
+            "inter_node_ratio": total.inter_node_ratio,
+            "intra_node_ratio": total.intra_node_ratio,
             "last_step_bytes_sent": self.last_step_comm.bytes_sent,
             "last_step_rounds": self.last_step_comm.rounds,
         }

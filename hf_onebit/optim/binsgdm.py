@@ -185,7 +185,7 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
     def _vote_exchange(self) -> VoteAllGather:
         if self._vote is None:
             nodes = self.nodes()
-            self._vote = VoteAllGather(self.process_group, self.world_size, nodes, self.comm_stats, self.inter_node_stats)
+            self._vote = VoteAllGather(self.process_group, self.world_size, nodes, self.comm_stats)
             if nodes is not None and self.rank == 0:
                 logger.info("hf_onebit BinSGDM: hierarchical votes, %d nodes of %d ranks", nodes.nodes, nodes.local_size)
         return self._vote

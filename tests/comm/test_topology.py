@@ -151,3 +151,54 @@ def test_uneven_nodes_with_hierarchical_true_are_refused_clearly_on_every_rank()
         assert error is not None, f"rank {rank} attached with a node layout the others do not share"
         assert error.startswith("ValueError") and "LOCAL_WORLD_SIZE" in error, f"rank {rank} ({where}): {error}"
         assert seconds < 15
+
+
+def test_leaving_node_model():
+    from hf_onebit.comm.stats import leaving_node
+
+    assert leaving_node(120, 90, world_size=4, local_size=4) == 0  # one node: nothing leaves
+    # 2 nodes of 2: a ring's node edge carries one rank's bytes (1/2 each), an all-to-all 2 of 3 peers
+    assert leaving_node(120, 90, world_size=4, local_size=2) == 60 + 60
+    assert leaving_node(120, 90, world_size=4, local_size=1) == 120 + 90  # one rank per node: all
+
+
+def _flat_exchanges_on_two_nodes(rank, world_size):
+    import torch
+
+    from hf_onebit.comm import CompressedAllReduce, MeanAllReduce
+    from hf_onebit.comm.topology import ranks_on_my_node
+    from hf_onebit.comm.vote import VoteAllGather
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+    pair = dist.new_group([0, 2])  # collective: every rank creates it
+    out = {"local": ranks_on_my_node(), "pair": ranks_on_my_node(pair) if rank in (0, 2) else None}
+    for name, call in (("compressed", lambda s: CompressedAllReduce(1000, "cpu", stats=s)(x.clone())),
+                       ("mean", lambda s: MeanAllReduce(None, s)(x.clone())),
+                       ("vote", lambda s: VoteAllGather(None, world_size, None, s)(x[:1000] > 0, torch.tensor(True), 1000))):
+        from hf_onebit.comm.stats import CommStats
+
+        stats = CommStats()
+        call(stats)
+        out[name] = stats.snapshot()
+    return out
+
+
+def test_flat_exchanges_count_what_leaves_the_node():
+    """2 emulated nodes of 2 ranks (LOCAL_WORLD_SIZE=2), flat collectives over all 4 ranks."""
+    from tests.distributed import run_distributed
+
+    outs = run_distributed(_flat_exchanges_on_two_nodes, 4, env={"LOCAL_WORLD_SIZE": "2"})
+    n, k = 4, 2
+    for rank, out in enumerate(outs):
+        assert out["local"] == 2
+        if rank in (0, 2):
+            assert out["pair"] == 1  # a group of one rank per node: everything it sends leaves
+        mean, vote, comp = out["mean"], out["vote"], out["compressed"]
+        assert mean.inter_node_sent == mean.bytes_sent // k and mean.inter_node_fp32 == mean.fp32_equivalent // k
+        assert mean.inter_node_ratio == pytest.approx(1.0) and mean.intra_node_ratio == pytest.approx(1.0)
+        assert vote.inter_node_sent == vote.bytes_sent // k
+        # the compressed all-reduce: rounds 1 and 3 are rings (1/2), round 2 an all-to-all (2/3)
+        chunk = -(-1000 // (8 * n)) * 8  # the padded buffer's n chunks
+        signs = (n - 1) * chunk // 8
+        assert comp.inter_node_sent == (comp.bytes_sent - signs) // k + signs * (n - k) // (n - 1)
+        assert comp.headline_ratio == comp.inter_node_ratio < comp.compression_ratio  # the slow link first

@@ -32,7 +32,7 @@ def _exchange(rank, world_size, hierarchical, bad_rank):
     else:
         qbar, valid = vote(votes, finite, NUMEL)
     return {"padded": padded, "qbar": qbar[:NUMEL].clone(), "valid": bool(valid),
-            "sent": vote.stats.snapshot().bytes_sent, "inter": vote.inter_node_stats.snapshot().bytes_sent}
+            "sent": vote.stats.snapshot().bytes_sent, "inter": vote.stats.snapshot().inter_node_sent}
 
 
 def test_the_flat_vote_is_the_exact_mean_of_every_rank_and_counts_its_bytes():

@@ -133,20 +133,20 @@ def _iterate(rank, model, ddp, opt, scaler, iterations, cfg):
         coeffs = fixed_grads(it, rank)
         if it == cfg.get("nan_at") and rank == cfg.get("nan_rank"):
             coeffs[0][0, 0] = float("inf")
-        before = (opt.steps_done, opt.comm_stats.snapshot(), opt.inter_node_stats.snapshot())
+        before = (opt.steps_done, opt.comm_stats.snapshot())
         scaler.scale(ddp(coeffs)).backward()
         scale = scaler.get_scale()
         qbar = [p.grad.detach().clone() / scale for p in model.parameters()]
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        comm, inter = opt.comm_stats.snapshot(), opt.inter_node_stats.snapshot()
+        comm = opt.comm_stats.snapshot()
         records.append(dict(
             it=it, qbar=qbar, params=[p.detach().clone() for p in model.parameters()],
             stepped=opt.steps_done == before[0] + 1, steps_done=opt.steps_done,
             sent=comm.bytes_sent - before[1].bytes_sent, rounds=comm.rounds - before[1].rounds,
             calls=comm.calls - before[1].calls, fp32=comm.fp32_equivalent - before[1].fp32_equivalent,
-            inter_sent=inter.bytes_sent - before[2].bytes_sent, inter_calls=inter.calls - before[2].calls,
+            inter_sent=comm.inter_node_sent - before[1].inter_node_sent,
         ))
         if it == cfg.get("save_at"):
             d = cfg["save_dir"]
@@ -395,14 +395,23 @@ def test_hierarchical_inter_node_traffic_is_one_bit_per_element_per_node(hier_ru
     for i in range(1, len(outs[0]["records"])):
         for node in range(nodes):
             recs = [outs[node * k + j]["records"][i] for j in range(k)]
-            calls = recs[0]["inter_calls"]
-            assert calls > 1 and all(r["inter_calls"] == calls for r in recs)
+            calls = recs[0]["calls"]
+            assert calls > 1 and all(r["calls"] == calls for r in recs)
             assert recs[0]["inter_sent"] == recs[1]["inter_sent"]  # the node's ranks share the load
             assert all(r["rounds"] == 3 * calls for r in recs)
             node_bytes = sum(r["inter_sent"] for r in recs) / (nodes - 1)  # sent to each other node
             bits = 8 * (node_bytes - 4 * k * calls)  # minus one fp32 flag per rank and bucket
             assert numel <= bits <= numel + (8 * k - 1) * calls
             assert recs[0]["fp32"] == 6 * numel  # allreduce_bytes(4·N, 4) summed over buckets
+
+
+def test_hierarchical_false_on_several_nodes_votes_flat_and_sends_more_between_nodes(hier_run):
+    outs = run_distributed(_vote_worker, 4, dict(kwargs={**KWARGS, "hierarchical": False}, last=3), env=node_env(2))
+    assert not any(o["hierarchical"] for o in outs)
+    flat, by_node = outs[0]["records"][2], hier_run[0]["records"][2]  # iteration 3 of both
+    assert flat["calls"] == by_node["calls"] and flat["fp32"] == by_node["fp32"]
+    # flat: half of each rank's (n-1)/8 bytes per element leave the node; by node (M-1)/(8k)
+    assert flat["inter_sent"] > 2.5 * by_node["inter_sent"] > 0
 
 
 def test_hierarchical_resume_continues_bitwise(hier_run):

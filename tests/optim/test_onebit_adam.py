@@ -107,6 +107,9 @@ def test_exchange_by_node_matches_its_simulation_through_the_freeze(per_tensor, 
     stats = outs[0]["stats"]
     assert stats["phase"] == "compression" and stats["last_step_rounds"] == 5 * len(segments)
     assert 0 < stats["inter_node_bytes_sent"] < stats["bytes_sent"]
+    assert stats["intra_node_bytes_sent"] == stats["bytes_sent"] - stats["inter_node_bytes_sent"]
+    # the headline is the slow link's: fp32 inside the node, compressed between nodes
+    assert stats["compression_ratio"] == stats["inter_node_ratio"] > 2 > 1 > stats["intra_node_ratio"]
 
 
 def test_update_clip_matches_its_simulation_and_bounds_every_step():
