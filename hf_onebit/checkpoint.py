@@ -128,14 +128,14 @@ def _verified_state(optimizer: OneBitOptimizer, pt_path: str, json_path: str) ->
         "optimizer": type(optimizer).__name__,
         "rank": rank,
         "world_size": world,
-        "nodes": rank_state.node_layout(optimizer),  # absent (flat) in files from before the exchange by node
-        "shard_size": shard_size(optimizer),  # absent (whole tensors) in files from before FSDP2
+        "nodes": rank_state.node_layout(optimizer),
+        "shard_size": shard_size(optimizer),
     }
-    defaults = {"shard_size": 1}
     for key, want in expected.items():
-        saved = meta.get(key, defaults.get(key))
-        if saved != want:
-            raise RankStateError(f"{json_path} is for {key}={saved!r}, this run has {key}={want!r}")
+        if key not in meta:
+            raise RankStateError(f"{json_path} has no {key!r} entry: not a per-rank state file of this hf_onebit")
+        if meta[key] != want:
+            raise RankStateError(f"{json_path} is for {key}={meta[key]!r}, this run has {key}={want!r}")
     with open(pt_path, "rb") as f:
         data = f.read()
     digest = hashlib.sha256(data).hexdigest()

@@ -491,7 +491,7 @@ class CompressedAllReduce:
             "worker_error": self.worker_error.detach().clone(),
             "server_error": self.server_error.detach().clone(),
         }
-        if self.piece_sizes is not None:  # absent = one scale (also what old checkpoints hold)
+        if self.piece_sizes is not None:  # absent: one scale per chunk
             state["piece_sizes"] = self.piece_sizes
         if self.coded_errors is not None:
             state["coded_worker_error"] = self.coded_errors.worker.detach().clone()
@@ -501,9 +501,9 @@ class CompressedAllReduce:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output saved by the same rank with the same world size.
 
-        The saved scale layout (``piece_sizes``; absent, as in checkpoints from before the
-        option, for one scale) may differ from this one: a warning is logged and the errors
-        carry over (they are residuals in the buffer's coordinates, valid under any layout).
+        The saved scale layout (``piece_sizes``; absent for one scale per chunk) may differ from
+        this one: a warning is logged and the errors carry over (they are residuals in the
+        buffer's coordinates, valid under any layout).
         The b-bit calls' own errors (``separate_coded_errors``) are restored where saved; state
         without them (saved before any b-bit call) leaves them to start from zero.
         """

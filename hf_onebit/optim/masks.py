@@ -97,7 +97,6 @@ class ZeroGradientMasks:
         groups = self._group_map()
         for p in self.params_in_order():
             state = self.state.get(p, {})
-            state.pop("nonzero", None)  # the per-step record of checkpoints from before masks came from v
             if state.get("mask_explicit") or not self.auto_mask or "exp_avg_sq" not in state:
                 continue
             v = state["exp_avg_sq"]

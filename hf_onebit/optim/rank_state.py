@@ -52,7 +52,7 @@ def load(opt: OneBitOptimizer, state: dict) -> None:
             f" {opt.world_size}: resume with {state['world_size']} ranks, or start the per-rank state afresh with"
             " load_rank_state(..., on_mismatch='reset') (user guide: API reference, 'Per-rank state')"
         )
-    saved = state.get("nodes")  # absent in files from before the exchange by node: flat
+    saved = state["nodes"]
     if saved != node_layout(opt):
         def describe(layout):
             return "the flat exchange" if layout is None else f"the exchange by node ({layout[0]} nodes of {layout[1]} ranks)"
@@ -61,13 +61,11 @@ def load(opt: OneBitOptimizer, state: dict) -> None:
             " its error buffers belong to other buffers: resume with the same node layout (LOCAL_WORLD_SIZE, hierarchical),"
             " or start the per-rank state afresh with on_mismatch='reset' (user guide: API reference, 'Per-rank state')"
         )
-    total = state.get("comm_total")
-    if total:
-        opt.comm_stats.restore(CommRecord(**{k: int(v) for k, v in total.items()}))
-        opt._stats_at_last_step = opt.comm_stats.snapshot()
+    opt.comm_stats.restore(CommRecord(**{k: int(v) for k, v in state["comm_total"].items()}))
+    opt._stats_at_last_step = opt.comm_stats.snapshot()
     pending: dict = dict(state["segments"])
     covered = set().union(*pending) if pending else set()
-    for key in state.get("layout", []):
+    for key in state["layout"]:
         if not covered & set(key):  # a layout for parameters that have no error state yet
             pending.setdefault(tuple(key), None)
     opt.segments.load(pending)

@@ -324,8 +324,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         self.var_counter = int(state["var_counter"])
         self.local_interval = int(state["local_interval"])
         self.local_counter = int(state["local_counter"])
-        self.masks_frozen = bool(state.get("masks_frozen", False))
-        self.var_updates = int(state.get("var_updates", 0))
+        self.masks_frozen = bool(state["masks_frozen"])
+        self.var_updates = int(state["var_updates"])
 
     # ---------------------------------------------------------------- step
     # List cores over a chunk (hf_onebit.optim.foreach), in the per-tensor operation order. Their

@@ -294,14 +294,14 @@ def _piece_non_finite_and_state(rank, world_size):
     untouched = torch.equal(before[0], state.worker_error) and torch.equal(before[1], state.server_error)
     z = state.allreduce(make_piece_input(2, rank))
 
-    # state_dict round trip, and a checkpoint from before the option (no piece_sizes field)
+    # state_dict round trip, and the state of one scale per chunk (no piece_sizes field)
     saved = state.state_dict()
     fresh = CompressedAllReduce(numel, piece_sizes=PIECE_SIZES)
     fresh.load_state_dict(saved)
     restored = torch.equal(fresh.worker_error, state.worker_error) and torch.equal(fresh.server_error, state.server_error)
     old = {k: v for k, v in saved.items() if k != "piece_sizes"}
     single = CompressedAllReduce(numel)
-    single.load_state_dict(old)  # an old checkpoint loads into the default, as before
+    single.load_state_dict(old)  # it loads into one scale per chunk
     switched = CompressedAllReduce(numel, piece_sizes=PIECE_SIZES)
     switched.load_state_dict(old)  # and into the option (the errors carry over, with a warning)
     carried = torch.equal(switched.worker_error, state.worker_error)
