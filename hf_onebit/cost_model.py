@@ -19,11 +19,11 @@ k·(n-k)/(n-1)·sent``; on 2 nodes of 2 the 1-bit exchange sends 7/12 of its byt
   ``P·r·(4·2d + 2·5d)/(12d²) = 1.5·P·r/d`` elements, vectors (``13d`` a layer) of ``13·P/(12d)``, in
   3 ring all-reduces. ``d`` defaults to ``(128·P/12)^(1/3)`` (``d/128`` layers). Its warmup is
   AdamW's, put at the 1-bit methods' freeze; its matmuls (``≈ 4·r·P`` flops) are not timed.
-* 1-bit exchange (spec §1): all-gather of ``s`` scales ``(n-1)·4s``, all-to-all of the signs
+* 1-bit exchange (:mod:`hf_onebit.comm.compressed`): all-gather of ``s`` scales ``(n-1)·4s``, all-to-all of the signs
   ``(n-1)·C/8``, all-gather of ``[s' scales | C/8 signs]`` ``(n-1)·(4s' + C/8)``; ``sent ≈
   2·(n-1)/n·L/8``, ``3(n-1)`` hops. A scale per tensor: ``s = s' = T_b + n - 1`` for ``T_b``
   tensors (``--tensors``, default ``P/1e6``: an upper bound); a scale per chunk: ``s = s' = 1``.
-  b-bit (spec §1b, the warmups): ``C·b/8`` for ``C/8``. ``--warmup-bits 32``: AdamW's all-reduce.
+  b-bit (the warmups): ``C·b/8`` for ``C/8``. ``--warmup-bits 32``: AdamW's all-reduce.
 * 1-bit exchange by node: shard ``S = ceil(L_b/k)``; fp32 reduce-scatter ``(k-1)·4·(S+1)`` and
   all-gather ``(k-1)·4S`` inside the node, the flat exchange of ``S`` among ``M`` between nodes,
   run by all ``k`` ranks of a node: ``between ≈ 2·(M-1)/M·L/8``, against ``≈ k·L/8`` flat.

@@ -43,10 +43,11 @@ Error buffers keep their shapes. If any rank's piece scale is non-finite, every 
 all gathered worker scales with NaN before use, so (as with one scale) no error buffer changes
 anywhere and the whole result is NaN on every rank.
 
-``width`` bits per element (spec §1b, ``__call__(x, width=8)`` or ``width=4``): the same three
-rounds and the same error feedback, with the compressor ``Q_b(y) = s·q``, ``s = max|y| / Q``,
-``q = round(y / s)`` in ``[-Q, Q]``, ``Q = 2^(b-1) - 1``, in place of ``RMS·sign⁺``; codes of
-``b`` bits travel where signs did (the layout is :mod:`hf_onebit.kernels.reference`'s)::
+``width`` bits per element (``__call__(x, width=8)`` or ``width=4``; docs/algorithms.md,
+"Exchanges"): the same three rounds and the same error feedback, with the compressor
+``Q_b(y) = s·q``, ``s = max|y| / Q``, ``q = round(y / s)`` in ``[-Q, Q]``, ``Q = 2^(b-1) - 1``,
+in place of ``RMS·sign⁺``; codes of ``b`` bits travel where signs did (the layout is
+:mod:`hf_onebit.kernels.reference`'s)::
 
     round 1  all-gather   s_i[p] = max|x_i + e_i| / Q over piece p        4·P bytes per rank
              codes_i = q(y, s_i);  e_i = y - s_i·q                       (worker error feedback)
@@ -182,7 +183,7 @@ class CompressedAllReduce:
         piece_sizes: sizes of the tensors concatenated in the buffer (summing to ``numel``):
             one scale per tensor piece instead of one per rank and chunk (see the module
             docstring; a tensor whose size is not a multiple of 8 lends up to 7 elements to its
-            neighbour's scale). Default ``None``: the spec's single scale, bit for bit.
+            neighbour's scale). Default ``None``: the paper's single scale, bit for bit.
         separate_coded_errors: give the b-bit calls (``width`` 8 or 4) a pair of error buffers of
             their own, made on the first such call and freed by :meth:`reset` (4 bytes per
             element while they live), for callers whose b-bit and 1-bit calls alternate (see the
@@ -288,7 +289,7 @@ class CompressedAllReduce:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *, width: int = 1) -> torch.Tensor:
         """Blocking compressed all-reduce of ``x`` (any float dtype); returns ``out`` (default ``x``).
 
-        ``width``: bits per element, 1 (spec §1, signs) or 8 or 4 (spec §1b, codes). Call it from
+        ``width``: bits per element, 1 (signs) or 8 or 4 (codes). Call it from
         the group's executor (as :meth:`allreduce_async` and :meth:`allreduce` do) when other
         hf_onebit collectives may be in flight on the same group.
         """
@@ -405,7 +406,7 @@ class CompressedAllReduce:
         return bufs
 
     def _call_coded(self, x, out, worker_error, server_error, width: int) -> None:
-        """The three rounds at ``width`` bits per element (spec §1b; see the module docstring)."""
+        """The three rounds at ``width`` bits per element (see the module docstring)."""
         k, n, group = self.kernels, self.world_size, self.group
         bufs = self._coded_buffers(width)
         pieces = self._bounds is not None

@@ -9,15 +9,15 @@ elements is padded to ``k·S`` (``S = ceil(N/k)``), and local rank ``l`` owns sh
     round 1    node group   reduce-scatter of x/k, plus one flag slot per shard    fp32 ≈ (k-1)·4S bytes
                shard l of the node mean  x̄_l = Σ_{ranks of the node} x[l·S:(l+1)·S]/k
                flag slot = Σ 0 or NaN: NaN if any rank of the node had a non-finite x
-    rounds 2-4 inter group  spec §1's compressed all-reduce of x̄_l among the M nodes ≈ 2·(M-1)/M·S/8 bytes
+    rounds 2-4 inter group  the flat compressed all-reduce of x̄_l among the M nodes ≈ 2·(M-1)/M·S/8 bytes
                (local rank l of every node; k of these run in parallel, one per shard)
     round 5    node group   all-gather of the k averaged shards                     fp32 (k-1)·4S bytes
 
 Each node sends ``≈ 2·(M-1)/M·N/8`` bytes between nodes, spread over its ``k`` ranks: the bytes
-of a flat compressed all-reduce of ``M`` ranks, not ``n``. The algorithm is spec §1 with the
-``M`` node means as its workers, run once per shard: error feedback (worker and server) lives
-per shard, on the rank that owns it. The fp32 node mean costs no accuracy (it is what the
-spec's workers would average anyway); the 1-bit noise is that of ``M`` workers.
+of a flat compressed all-reduce of ``M`` ranks, not ``n``. The algorithm is the flat one with
+the ``M`` node means as its workers, run once per shard: error feedback (worker and server)
+lives per shard, on the rank that owns it. The fp32 node mean costs no accuracy (it is what the
+flat exchange's workers would average anyway); the 1-bit noise is that of ``M`` workers.
 
 Non-finite input: a rank whose ``x`` holds a NaN or inf writes NaN into every shard's flag slot,
 so after round 1 every rank of that node knows and poisons its whole shard. Every inter group
@@ -25,12 +25,12 @@ then sees a NaN scale from that node: as in the flat exchange, the result is NaN
 and no error buffer changes anywhere (so ``GradScaler`` skips the step everywhere).
 
 Every rank ends with the same bytes: shard ``l``'s result is bitwise identical across its
-inter group (spec §1), and every rank of a node gathers the same ``k`` shards.
+inter group (as in the flat exchange), and every rank of a node gathers the same ``k`` shards.
 
 The reduce-scatter is an all-to-all of the ``k`` shards followed by a sum in local-rank order on
 the rank that owns the shard: the bytes of a bandwidth-optimal reduce-scatter on every backend
-(gloo's own ``reduce_scatter`` is an all-reduce of the whole buffer, 1.5x the bytes at ``k = 2``,
-measured on the two-node benchmark), and a sum whose order does not depend on the backend.
+(gloo's own ``reduce_scatter`` is an all-reduce of the whole buffer, which moves more bytes),
+and a sum whose order does not depend on the backend.
 """
 
 from __future__ import annotations

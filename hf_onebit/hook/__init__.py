@@ -16,7 +16,7 @@ of the tensor DDP writes into ``.grad``:
 plan               communicated (in the hook, during backward)  ``.grad`` after the hook
 ================== ============================================ ===============================
 ALLREDUCE          mean of the gradient, full precision         averaged gradient
-QUANTIZE_GRADIENT  gradient, b bits with error feedback (§1b)   averaged gradient (b-bit)
+QUANTIZE_GRADIENT  gradient, b bits with error feedback         averaged gradient (b-bit)
 COMPRESS_MOMENTUM  local momentum ``β1·m + (1-β1)·g_i``, 1 bit  averaged momentum (synced)
 COMPRESS_GRADIENT  gradient, 1 bit with error feedback          averaged gradient (1-bit)
 LOCAL              nothing                                      local gradient of this rank

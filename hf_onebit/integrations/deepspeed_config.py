@@ -200,7 +200,7 @@ def _optimizer_params(conv: Conversion, params: dict) -> None:
         if params.get(key) not in (None, "auto"):
             kw[key] = _number(params[key], f"optimizer.params.{key}", kind)
 
-    # the warmup's end: DeepSpeed's counter runs one ahead (spec, "Deviations from DeepSpeed")
+    # the warmup's end: DeepSpeed's counter runs one ahead (docs/deepspeed.md, "Defaults")
     key = "var_freeze_step" if name == "ZeroOneAdam" else "freeze_step"
     given = params.get(key)
     value = defaults[key] if given is None else _number(given, f"optimizer.params.{key}", int)
@@ -235,7 +235,7 @@ def _optimizer_params(conv: Conversion, params: dict) -> None:
                   f" whatever this key said; False reproduces that. hf_onebit's default is True ({what}).")
 
     conv.note("defaults",
-              "defaults=\"paper\": the spec's values of the arguments left out, which are DeepSpeed's: warmup_bits=None"
+              "defaults=\"paper\": the papers' values of the arguments left out, which are DeepSpeed's: warmup_bits=None"
               f" (the {'variance steps exchange' if name == 'ZeroOneAdam' else 'warmup exchanges'} the gradient at full"
               " precision, as DeepSpeed did; the library's 8 sends 4x fewer bytes), update_clip=None (the library's"
               " 1.0 bounds every coordinate's step at lr once the variance is frozen), scale_per_tensor=False (one"

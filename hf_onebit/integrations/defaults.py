@@ -2,7 +2,7 @@
 
 The optimizers' own arguments (the automatic freeze, one scale per tensor, the update clip, the
 warmup's bit width) are not here: their constructors apply them, from the one table of
-:mod:`hf_onebit.optim.defaults` (``LIBRARY``; ``defaults="paper"`` for the spec's values), so
+:mod:`hf_onebit.optim.defaults` (``LIBRARY``; ``defaults="paper"`` for the papers' values), so
 ``OneBitAdam(params)``, ``--optim onebit_adam`` through :class:`~hf_onebit.OneBitTrainer` or the
 launcher, the Accelerate plugin and the recipes build the same optimizer. This module holds what
 only a training loop decides, and is the one place for it:

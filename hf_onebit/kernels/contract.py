@@ -46,7 +46,7 @@ class KernelBackend(Protocol):
 
     def check_bounds(self, bounds, length: int) -> list[int]: ...
 
-    # the b-bit exchange (spec §1b): ``width``-bit codes in place of signs, max-abs scales
+    # the b-bit exchange: ``width``-bit codes in place of signs, max-abs scales
     def qworker_scale(self, x: torch.Tensor, error: torch.Tensor, *, width: int, bounds=None) -> torch.Tensor: ...
 
     def qworker_pack(self, x: torch.Tensor, error: torch.Tensor, scales: torch.Tensor, rank: int,
@@ -63,7 +63,7 @@ class KernelBackend(Protocol):
     def qunpack_scaled(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, width: int,
                        bounds=None) -> None: ...
 
-    # BinSGDM's worker math (spec §5) over one flat bucket: new momenta and P(+1 vote)
+    # BinSGDM's worker math over one flat bucket: new momenta and P(+1 vote)
     def vote_threshold(self, m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
                        m_out: torch.Tensor, b_out: torch.Tensor, theta: torch.Tensor) -> None: ...
 
@@ -160,7 +160,7 @@ def check_unpack(bits: torch.Tensor, scales: torch.Tensor | None, out: torch.Ten
     return n, row_bytes
 
 
-# ------------------------------------------------------------------ the b-bit exchange (spec §1b)
+# ------------------------------------------------------------------ the b-bit exchange
 #: the bit widths of the b-bit exchange
 WIDTHS = (8, 4)
 
@@ -221,7 +221,7 @@ def check_qunpack(codes: torch.Tensor, width, scales: torch.Tensor | None, out: 
     return n, chunk
 
 
-# ------------------------------------------------------------------ BinSGDM's worker math (spec §5)
+# ------------------------------------------------------------------ BinSGDM's worker math
 def check_vote(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, m_out: torch.Tensor, b_out: torch.Tensor,
                theta: torch.Tensor) -> int:
     """:func:`vote_threshold`'s six tensors: fp32, contiguous (read or written flat, in place) and

@@ -1,4 +1,4 @@
-"""Fast CPU backend of the 1-bit compression kernels (spec §1), written with numba.
+"""Fast CPU backend of the 1-bit compression kernels, written with numba.
 
 Same functions, signatures and results as :mod:`hf_onebit.kernels.reference` (read its
 docstring first: it defines ``x``, ``L``, ``error``, ``bits`` and ``sign⁺``). The reference
@@ -12,7 +12,7 @@ explains why they look as they do. Outputs of :func:`unpack_scaled` hold only tw
 (``±t_j``): torch converts those ``2·n`` values to the out dtype (bitwise what the reference's
 ``copy_`` does), and the loop only copies raw bit patterns.
 
-The b-bit operations (``q*``, spec §1b) are defined exactly, scales included, and match the
+The b-bit operations (``q*``) are defined exactly, scales included, and match the
 reference bitwise; :func:`qunpack_scaled` converts a table of every code's value per piece the
 same way for 16-bit and float64 outs, and writes fp32 outs directly.
 
@@ -211,7 +211,7 @@ def worker_pack(
 
 
 def server_average(bits: torch.Tensor, scales: torch.Tensor, *, bounds=None) -> torch.Tensor:
-    """``mean_i scales[i] · sign⁺(bits[i])`` with the exact summation order of the spec.
+    """``mean_i scales[i] · sign⁺(bits[i])`` with the reference's exact summation order.
 
     With ``bounds`` (over the chunk), ``scales`` is ``(n, P)``.
     """
@@ -329,7 +329,7 @@ def pack_bools(flags: torch.Tensor, out: torch.Tensor) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The b-bit exchange (spec §1b): same structure, width-bit codes and max-abs scales
+# The b-bit exchange: same structure, width-bit codes and max-abs scales
 # --------------------------------------------------------------------------------------------
 
 
@@ -474,7 +474,7 @@ def qunpack_scaled(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
 
 
 # --------------------------------------------------------------------------------------------
-# BinSGDM's worker math (spec §5; the contract's vote_threshold)
+# BinSGDM's worker math (the contract's vote_threshold)
 # --------------------------------------------------------------------------------------------
 
 

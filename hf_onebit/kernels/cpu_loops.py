@@ -19,13 +19,12 @@ other ranks) before any error entry may be overwritten, and the split is what le
 non-finite value anywhere leave every error buffer untouched. Together they move about 2.5x
 the nominal bytes of a plain ``y.copy_(x)`` (20 vs 8 per element; the copy really moves 12,
 because writing ``y`` first reads its cache lines), so a measured ratio of about 2 means the
-kernels run at memory speed. ``benchmarks/kernels.py`` measures it (about 2.1x for 64M fp32
-elements on the 2-core Xeon this was written on).
+kernels run at memory speed. ``benchmarks/kernels.py`` measures that ratio.
 
 The server operations read ``n`` rows of bits (``C/8`` bytes each) plus ``C`` floats of
 server error. They work on blocks of :data:`_BLOCK` elements: the running average of a block
 is kept in a small scratch array that stays in L1 cache, so the rows are summed in exactly the
-order the spec prescribes (``acc = 0; acc += s_i·sign⁺_i for i in rank order; a = acc / n``)
+order the reference defines (``acc = 0; acc += s_i·sign⁺_i for i in rank order; a = acc / n``)
 without an fp32 temporary of length ``C``. Each row's bytes are first expanded into 0/1 flag
 bytes (the packing trick below, run backwards), so that adding a row is a contiguous
 select-and-add loop. Dividing by ``n`` is a multiplication when ``n`` is a power of two (that
@@ -36,7 +35,8 @@ branch-free and the floating-point semantics allow it. We never enable fast-math
 produces bits or error values (they must match the reference bitwise); only the float64
 sum-of-squares reductions carry ``reassoc`` (and ``contract``, harmless because the square of
 an fp32 value is exact in float64), which lets LLVM keep several partial sums in vector
-registers. The spec allows scales to differ from the reference by rounding for that reason.
+registers; scales may therefore differ from the reference's by rounding, which is why the
+self-test compares them to fp32 rounding, not bitwise.
 
 Packing signs into MSB-first bytes is the awkward part for a vectoriser (eight neighbouring
 elements collapse into one byte). We first store the ``y >= 0`` flags of a block as 0/1
@@ -54,7 +54,7 @@ Outputs of :func:`~hf_onebit.kernels.cpu.unpack_scaled` hold only two distinct v
 fp32 -> out-dtype conversion is done by torch itself on those ``2·n`` values (bitwise what the
 reference's ``copy_`` does), and the kernel only copies raw bit patterns.
 
-The b-bit operations (spec §1b) follow the same rules (one read-only pass for a scale, one
+The b-bit operations follow the same rules (one read-only pass for a scale, one
 pass that writes codes and errors in place, the server blocked through an L1 scratch); their
 section below explains how they match the reference bitwise, max-abs scales included.
 
@@ -257,7 +257,7 @@ def _worker_pack(x, error, bits_out, s, update):
 def _average_block(rows, scales, acc, flags):
     """``acc[:8*B] = Σ_i scales[i]·sign⁺(rows[i])`` for ``rows`` of shape ``(n, B)``.
 
-    Exact spec order: fp32 accumulator starting at +0.0, rows added in rank order. The
+    The reference's exact order: fp32 accumulator starting at +0.0, rows added in rank order. The
     division by ``n`` is left to the caller, fused into its next loop. ``flags`` is scratch of
     at least ``8*B`` bytes.
     """
@@ -272,7 +272,7 @@ def _average_block(rows, scales, acc, flags):
         row = rows[r]
         for q in range(nbytes):
             words[q] = _byte_to_flags(row[q])
-        if r == 0:  # `0.0 + v`, not `v`: turns a -0.0 term into +0.0 exactly like the spec
+        if r == 0:  # `0.0 + v`, not `v`: turns a -0.0 term into +0.0 exactly like the reference
             for q in range(count):
                 acc[q] = np.float32(0.0) + (pos if flags[q] else neg)
         else:
@@ -467,7 +467,7 @@ def _unpack_pieces(bits, lut, bounds, out):
 
 
 # --------------------------------------------------------------------------------------------
-# The b-bit exchange (spec §1b; see the end of hf_onebit.kernels.reference)
+# The b-bit exchange (see the end of hf_onebit.kernels.reference)
 # --------------------------------------------------------------------------------------------
 #
 # Everything here is exact, so it matches the reference bitwise, scales included:
@@ -669,7 +669,7 @@ def _qaverage_block(rows, scales, acc, width):
         s = scales[r]
         row = rows[r]
         if width == 8:
-            if r == 0:  # `0.0 + v`, not `v`: a -0.0 term becomes +0.0 exactly like the spec
+            if r == 0:  # `0.0 + v`, not `v`: a -0.0 term becomes +0.0 exactly like the reference
                 for k in range(nbytes):
                     acc[k] = zero + s * (np.float32(row[k]) - qf)
             else:

@@ -1,4 +1,4 @@
-"""Plain-torch reference of the 1-bit compression kernels (spec §1).
+"""Plain-torch reference of the 1-bit compression kernels.
 
 This module *defines* what every kernel backend computes; the CPU fast path
 (:mod:`hf_onebit.kernels.cpu`) and the Triton kernels (:mod:`hf_onebit.kernels.triton`)
@@ -213,7 +213,7 @@ def worker_pack(
 
 
 def server_average(bits: torch.Tensor, scales: torch.Tensor, *, bounds=None) -> torch.Tensor:
-    """``mean_i scales[i] · sign⁺(bits[i])`` with the exact summation order of the spec.
+    """``mean_i scales[i] · sign⁺(bits[i])`` with the summation order the module docstring defines.
 
     With ``bounds`` (over the chunk), ``scales`` is ``(n, P)``: element ``k`` of row ``i`` is
     weighted by ``scales[i, piece(k)]``.
@@ -285,7 +285,8 @@ def unpack_scaled(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *
 
 
 # ============================================================================================
-# The b-bit exchange (spec §1b): ``width``-bit codes and a max-abs scale in place of signs and RMS
+# The b-bit exchange: ``width``-bit codes and a max-abs scale in place of signs and RMS
+# (docs/algorithms.md, "Exchanges")
 # ============================================================================================
 #
 # Vocabulary, besides the above:
@@ -447,7 +448,7 @@ def qunpack_scaled(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
 
 
 # --------------------------------------------------------------------------------------------
-# BinSGDM's worker math (spec §5)
+# BinSGDM's worker math (docs/algorithms.md, "BinSGDM")
 # --------------------------------------------------------------------------------------------
 
 
@@ -490,7 +491,7 @@ def vote_uniform_table(offsets, indices, device) -> tuple:
 
 
 def vote_uniform(out: torch.Tensor, table, *, seed: int, stream: int, step: int) -> None:
-    """BinSGDM's draws (spec §5): piece ``i`` of ``out``, ``out[offsets[i]:offsets[i+1]]``, gets
+    """BinSGDM's draws: piece ``i`` of ``out``, ``out[offsets[i]:offsets[i+1]]``, gets
     the float32 uniforms of a fresh numpy Philox-4x64 generator with key ``(seed, stream)`` and
     counter ``[0, 0, indices[i], step]``: ``Generator(Philox(key=..., counter=...)).random(n,
     float32)``. So the draws of a parameter depend on nothing but ``(seed, stream, step, index)``

@@ -7,7 +7,7 @@ died"). :func:`self_test` runs the five operations of ``get_backend(device)`` on
 two simulated ranks, with one scale per chunk and with pieces, and compares every output with
 :mod:`hf_onebit.kernels.reference`: bits, the server average (defined with its summation order)
 and unpacked values exactly; scales and error buffers to fp32 rounding (the reference sums squares
-in float64). The same for the five operations of the b-bit exchange (spec §1b) at 8 and 4 bits,
+in float64). The same for the five operations of the b-bit exchange at 8 and 4 bits,
 whose results (codes, max-abs scales, errors, average, unpacked values) must all be bitwise equal,
 and for BinSGDM's worker math (``vote_threshold``, with ``eps > 0`` and ``eps = 0``) and draws
 (``vote_uniform``), bitwise too.
@@ -64,7 +64,7 @@ def _run(kernels, device: torch.device, dtype: torch.dtype, bounds) -> dict:
 
 
 def _qrun(kernels, device: torch.device, dtype: torch.dtype, bounds, width: int) -> dict:
-    """:func:`_run` for the b-bit exchange (spec §1b) at ``width`` bits; keys name the width."""
+    """:func:`_run` for the b-bit exchange at ``width`` bits; keys name the width."""
     xs, errors, server_error = _case(device, dtype)
     worker_bounds = None if bounds is None else [0, 64, 256]
     chunk_bounds = None if bounds is None else [0, 64, 128]

@@ -1,4 +1,4 @@
-"""Triton kernels for the 1-bit compressor on CUDA tensors (spec §1).
+"""Triton kernels for the 1-bit compressor on CUDA tensors.
 
 Same five operations, same signatures and the same results as :mod:`hf_onebit.kernels.reference`
 (read its docstring first for the vocabulary: ``x``, ``N``, ``L``, ``error``, ``bits``,
@@ -218,7 +218,7 @@ def worker_pack(
 def server_average(
     bits: torch.Tensor, scales: torch.Tensor, *, block: int = DEFAULT_BLOCK, bounds=None
 ) -> torch.Tensor:
-    """``mean_i scales[i] · sign⁺(bits[i])`` with the exact summation order of the spec.
+    """``mean_i scales[i] · sign⁺(bits[i])`` with the reference's exact summation order.
 
     With ``bounds`` (over the chunk), ``scales`` is ``(n, P)``.
     """
@@ -360,7 +360,7 @@ def unpack_scaled(
 
 
 # --------------------------------------------------------------------------------------------
-# The b-bit exchange (spec §1b): the same two passes per side, with max-abs scales
+# The b-bit exchange: the same two passes per side, with max-abs scales
 # --------------------------------------------------------------------------------------------
 #
 # The operations mirror the five above (see the reference's section "The b-bit exchange") and
@@ -610,7 +610,7 @@ def qunpack_scaled(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
 
 
 # --------------------------------------------------------------------------------------------
-# BinSGDM's worker math (spec §5)
+# BinSGDM's worker math
 # --------------------------------------------------------------------------------------------
 
 

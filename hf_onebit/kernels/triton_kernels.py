@@ -248,7 +248,7 @@ def _unpack_scaled_kernel(bits_ptr, table_ptr, out_ptr, numel, row_bytes, BLOCK:
 
 
 # --------------------------------------------------------------------------------------------
-# The b-bit exchange (spec §1b): ``WIDTH``-bit codes and max-abs scales
+# The b-bit exchange: ``WIDTH``-bit codes and max-abs scales
 # --------------------------------------------------------------------------------------------
 #
 # Bitwise agreement with the reference (every result is defined exactly, scales included):
@@ -454,7 +454,7 @@ def _qunpack_kernel(codes_ptr, table_ptr, out_ptr, numel, row_bytes, WIDTH: tl.c
 
 
 # --------------------------------------------------------------------------------------------
-# BinSGDM's worker math (spec §5): one elementwise pass over a flat bucket
+# BinSGDM's worker math: one elementwise pass over a flat bucket
 # --------------------------------------------------------------------------------------------
 
 

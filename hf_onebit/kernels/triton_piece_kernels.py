@@ -149,7 +149,7 @@ def _unpack_pieces_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# The b-bit exchange (spec §1b): the piece variants of the q kernels of triton_kernels
+# The b-bit exchange: the piece variants of the q kernels of triton_kernels
 # --------------------------------------------------------------------------------------------
 
 

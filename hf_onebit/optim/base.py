@@ -165,8 +165,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
         return list(out.items())
 
     #: Bits per element of the exchanges the papers make at full precision (the warmups):
-    #: ``None`` for the full-precision all-reduce (the spec), 8 or 4 for spec §1b's b-bit exchange
-    #: with error feedback. Set by the optimizers that have a warmup.
+    #: ``None`` for the full-precision all-reduce (the papers'), 8 or 4 for the b-bit exchange
+    #: with error feedback (``docs/algorithms.md``, "Exchanges"). Set by the optimizers that have a
+    #: warmup.
     warmup_bits: int | None = None
     #: Whether the b-bit exchange keeps error buffers apart from the 1-bit one's: where the two
     #: alternate on the same buffers (0/1 Adam's variance phase), not where one phase follows the

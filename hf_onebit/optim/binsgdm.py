@@ -1,6 +1,6 @@
 """BinSGDM / Birder (Peng et al., ICLR 2023 submission / NeurIPS 2023): unbiased 1-bit votes.
 
-Spec §5. Every rank keeps its *own* momentum of the gradient and of its magnitude,
+Every rank keeps its *own* momentum of the gradient and of its magnitude,
 
     m_i = β·m_i + (1-β)·g_i          b_i = β·b_i + (1-β)·|g_i|          (fp32, per rank)
 

@@ -1,4 +1,4 @@
-"""The defaults of every entry point, in one table: the measured ones, and the papers' a switch away.
+"""The defaults of every entry point, in one table: the library's, and the papers' a switch away.
 
 Each optimizer's constructor arguments below default to :data:`LIBRARY`'s value; with
 ``defaults="paper"`` every argument the caller leaves out takes :data:`PAPER`'s value instead, the
@@ -21,14 +21,15 @@ argument                 library default
                          tiny-gradient tensor is not rebuilt at its bucket's scale (a 100-layer
                          stack diverges at the first 1-bit step without it).
 ``update_clip``          ``1.0``: no coordinate's adaptive step exceeds ``lr`` where the variance
-                         is stale (after the freeze); an early freeze no longer blows up a step.
+                         is stale (after the freeze), so an early freeze cannot blow up a step.
 ``warmup_bits``          ``8``: the warmup (0/1 Adam: its variance steps) exchanges the gradient
-                         at 8 bits with error feedback (spec §1b) instead of 32, so the warmup,
-                         which the automatic freeze keeps long, sends 4x fewer bytes. Where 0/1
-                         Adam has 1-bit gradient steps between its variance steps (a
-                         ``var_update_scaler``), the variance steps keep error buffers apart
-                         from theirs (sharing them cost 0.32 and 0.75 points against AdamW on
-                         Rotten Tomatoes and the tweets, 3 seeds each, at 16).
+                         at 8 bits with error feedback (``docs/algorithms.md``, "Exchanges")
+                         instead of 32, so the warmup, which the automatic freeze keeps long,
+                         sends 4x fewer bytes. Where 0/1 Adam has 1-bit gradient steps between
+                         its variance steps (a ``var_update_scaler``), the variance steps keep
+                         error buffers apart from theirs: a shared pair would hand the 8-bit
+                         gradient the variance is built from the 1-bit steps' far larger
+                         residual (:mod:`hf_onebit.comm.compressed`).
 ``bias_correction``      ``True`` (1-bit LAMB): LAMB on Adam's bias-corrected moments, as
                          uncompressed LAMB implementations run it; the trust-ratio average
                          starts at the first ratio. The paper's uncorrected moments leave a
@@ -42,9 +43,10 @@ argument                 library default
                          restore is not clipped a second time.
 ``var_update_scaler``    ``None`` (0/1 Adam): every step of the variance phase is a variance
                          step (8 bits), none a 1-bit gradient step. The paper's 16 puts 1-bit
-                         gradient steps from step 17 on: pre-training from scratch, 0/1 Adam
-                         then ended 11-21% above AdamW's held-out loss (3 seeds), against
-                         within 1% with every step a variance step.
+                         gradient steps from step 17 on, a 1-bit gradient in the momentum
+                         while the variance is still being estimated, which pre-training from
+                         scratch does not survive (``docs/results.md``, "Pre-training from
+                         scratch").
 =======================  =====================================================================
 """
 
@@ -76,9 +78,9 @@ class _LibraryDefault:
 LIBRARY_DEFAULT = _LibraryDefault()
 
 _ADAM_LIKE = dict(scale_per_tensor=True, update_clip=1.0, warmup_bits=8)
-_SPEC = dict(scale_per_tensor=False, update_clip=None, warmup_bits=None)
+_PAPER_ADAM_LIKE = dict(scale_per_tensor=False, update_clip=None, warmup_bits=None)
 
-#: the measured defaults, by optimizer class
+#: the library's defaults, by optimizer class
 LIBRARY: dict[str, dict] = {
     "OneBitAdam": dict(freeze_step="auto", **_ADAM_LIKE),
     "OneBitLamb": dict(freeze_step="auto", bias_correction=True, **_ADAM_LIKE),
@@ -86,12 +88,12 @@ LIBRARY: dict[str, dict] = {
                         momentum_correction=True, **_ADAM_LIKE),
 }
 
-#: the papers' (the spec's) values of the same arguments
+#: the papers' values of the same arguments
 PAPER: dict[str, dict] = {
-    "OneBitAdam": dict(freeze_step=100000, **_SPEC),
-    "OneBitLamb": dict(freeze_step=100000, bias_correction=False, **_SPEC),
+    "OneBitAdam": dict(freeze_step=100000, **_PAPER_ADAM_LIKE),
+    "OneBitLamb": dict(freeze_step=100000, bias_correction=False, **_PAPER_ADAM_LIKE),
     "ZeroOneAdam": dict(var_freeze_step=100000, clip_synced_momentum=True, var_update_scaler=16,
-                        momentum_correction=False, **_SPEC),
+                        momentum_correction=False, **_PAPER_ADAM_LIKE),
 }
 
 

@@ -1,4 +1,6 @@
-"""Masks for coordinates that never get a gradient (spec §2 "Mask"), shared by 1-bit Adam and LAMB.
+"""Masks for coordinates that never get a gradient, shared by 1-bit Adam, 0/1 Adam and 1-bit LAMB.
+
+See ``docs/algorithms.md``, "1-bit Adam", for where ``auto_mask`` deviates from the paper.
 
 A coordinate whose averaged gradient is exactly zero on every step (an unused embedding row, a
 position beyond the longest sequence) has ``v == 0``. Once compression starts, the compressor
@@ -15,10 +17,11 @@ from ``v`` when compression starts.
 
 The same runaway hits coordinates whose gradient is not exactly zero but negligible: BERT's
 attention key biases get ~1e-12 (softmax ignores the constant they add), so ``sqrt(v) << eps``
-and 1-bit Adam moved them by ~12 per step from scratch. ``auto_mask`` therefore also masks
-coordinates whose frozen RMS gradient ``sqrt(v̂)`` is below ``eps / 100``: under Adam such a
-coordinate moves by at most ``lr·sqrt(v̂)/(sqrt(v̂)+eps)`` < 1% of a normal step, so keeping it
-still changes almost nothing, while compressing it multiplies its step by ``scale / eps``.
+and the compressor's ``±scale`` moves them by ``lr·scale/eps`` per step, orders of magnitude
+more than Adam would. ``auto_mask`` therefore also masks coordinates whose frozen RMS gradient
+``sqrt(v̂)`` is below ``eps / 100``: under Adam such a coordinate moves by at most
+``lr·sqrt(v̂)/(sqrt(v̂)+eps)`` < 1% of a normal step, so keeping it still changes almost
+nothing, while compressing it multiplies its step by ``scale / eps``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """1-bit Adam (Tang et al., 2021): Adam warmup, then frozen variance and 1-bit momentum.
 
-Spec §2. During warmup (``t <= freeze_step``) every rank runs Adam on the gradient that the hook
+During warmup (``t <= freeze_step``) every rank runs Adam on the gradient that the hook
 averaged, at full precision (``warmup_bits=None``; with ``bias_correction=True`` this is
-``torch.optim.AdamW`` step for step) or with spec §1b's b-bit exchange (the default, 8 bits). The variance is then frozen: Adam with a fixed ``v`` is
+``torch.optim.AdamW`` step for step) or with the b-bit exchange (the default, 8 bits; see
+``docs/algorithms.md``, "Exchanges"). The variance is then frozen: Adam with a fixed ``v`` is
 momentum SGD with a per-coordinate learning rate ``lr / (sqrt(v) + eps)``, which is linear in
 the gradients, so error-compensated 1-bit compression of the momentum converges like the
 uncompressed method. From step ``freeze_step + 1`` the hook computes each rank's local momentum
@@ -84,29 +85,30 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         auto_mask: mask coordinates whose averaged gradient was exactly zero on every warmup step,
             or whose frozen ``sqrt(v̂)`` is below ``eps/100``.
         hierarchical: ``True``: the exchange by node (:mod:`hf_onebit.comm.hierarchical`: an fp32
-            mean inside each node, spec §1's 1-bit exchange among the node means between nodes),
+            mean inside each node, the 1-bit exchange among the node means between nodes),
             which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
             group to be the whole world; ``None``: by node exactly when those hold; ``False``
-            (default): the spec's exchange among all ranks. Full-precision warmups stay flat; b-bit ones go by node too.
+            (default): the paper's exchange among all ranks. Full-precision warmups stay flat; b-bit ones
+            go by node too.
         check_finite: without a loss scaler, refuse a non-finite gradient (``FloatingPointError``);
             no optimizer state changes. CPU tensors are checked before the step; on a GPU the
             step is masked on the device and the error comes at the next ``step()``, with no host
             sync (see ``optim.guards.check_finite_grads``).
         update_clip: after the freeze, bound every coordinate's step at ``update_clip·lr`` by
-            dividing by ``max(sqrt(v̂), |m̂|/update_clip)`` (``None``: the spec's update). Under Adam
+            dividing by ``max(sqrt(v̂), |m̂|/update_clip)`` (``None``: the paper's update). Under Adam
             ``|m̂| <= sqrt(v̂)`` nearly always holds, as both average the same gradients; with the
             variance frozen early it stops holding where gradients grow later, and 1-bit momentum
-            (every coordinate ``±scale``) breaks it wherever ``v̂`` is small. Measured (a
-            from-scratch MLM run, at the former full-precision warmup): with the freeze at 20% 1-bit Adam ended 35% above AdamW's eval
-            loss without the bound, and so did *uncompressed* Adam with the same frozen variance
-            (+37%), so the frozen variance is the cause; with ``update_clip=1`` the compressed run
-            ended at AdamW's loss. Default ``1.0`` (``defaults="paper"``: ``None``).
-        warmup_bits: how the warmup exchanges the gradient: ``None`` (the spec) at full
-            precision, ``8`` or ``4`` with spec §1b's b-bit exchange and error feedback (``2·b/8``
+            (every coordinate ``±scale``) breaks it wherever ``v̂`` is small. The frozen variance,
+            not the compression, is what loses the bound: uncompressed Adam with the same frozen
+            variance takes the same oversized steps, and the clip restores the bound without
+            communication (``docs/algorithms.md``, "Update clip"). Default ``1.0``
+            (``defaults="paper"``: ``None``).
+        warmup_bits: how the warmup exchanges the gradient: ``None`` (the paper) at full
+            precision, ``8`` or ``4`` with the b-bit exchange and error feedback (``2·b/8``
             bytes per element per rank instead of ``8``; Adam's moments are built from the
             exchanged gradient). The error buffers are the compression phase's, zeroed at the freeze.
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
-            that is left out takes its measured value; ``"paper"``: the spec's value instead.
+            that is left out takes the library's value; ``"paper"``: the paper's value instead.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
             :meth:`~hf_onebit.optim.freeze.FreezeSchedule.fit_to_run`).
     """
@@ -129,7 +131,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         defaults: str = "library",
         total_steps: int | None = None,
     ) -> None:
-        # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
+        # arguments left out take the library's defaults, or the papers' (optim/defaults.py)
         freeze_step, scale_per_tensor, update_clip, warmup_bits = resolve_defaults(
             "OneBitAdam", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip,
             warmup_bits=warmup_bits

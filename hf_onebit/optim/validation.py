@@ -30,7 +30,7 @@ def check_bool(value: bool, name: str) -> None:
 
 
 def check_warmup_bits(value, name: str = "warmup_bits") -> int | None:
-    """``None`` (full precision) or a width of spec §1b's b-bit exchange (8 or 4)."""
+    """``None`` (full precision) or a width of the b-bit exchange (8 or 4)."""
     from hf_onebit.kernels.contract import WIDTHS
 
     if value is None:

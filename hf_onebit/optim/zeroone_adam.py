@@ -1,10 +1,10 @@
 """0/1 Adam (Lu et al., 2022): adaptive variance freezing, then 1-bit-synced local steps.
 
-Spec §3. Two phases:
+Two phases:
 
 * **variance** (``t <= var_freeze_step``): every step is synchronised. The variance ``v`` is
   updated only on *variance steps* (``t mod var_interval == 0``), which all-reduce the
-  gradient at full precision (the spec; by default hf_onebit sends it at 8 bits with error
+  gradient at full precision (the paper; by default hf_onebit sends it at 8 bits with error
   feedback, ``warmup_bits``); every other step all-reduces the gradient with 1 bit per element
   and error feedback, and updates only the momentum. After ``var_update_scaler`` variance
   steps the interval between them doubles (by default it never does: every step of the variance
@@ -16,7 +16,7 @@ Spec §3. Two phases:
   and restart from the momentum ``-ū/λ``. After ``local_step_scaler`` local-phase steps the
   interval between syncs doubles, up to ``local_step_clipper``.
 
-Deviation from the spec (which has no mask): with ``auto_mask`` (default) coordinates whose
+Deviation from the paper (which has no mask): with ``auto_mask`` (default) coordinates whose
 averaged gradient was zero on every variance step so far, or whose ``sqrt(v)`` is below
 ``eps/100``, are masked from the first step that compresses (a 1-bit gradient step or the
 local phase): their momentum and their synced update stay zero. Unmasked, the compressor hands
@@ -44,8 +44,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
     """0/1 Adam for DDP (attach it with :func:`hf_onebit.attach`).
 
     The variance is bias-corrected by default (``bias_correction=False`` keeps the paper's and
-    DeepSpeed's arithmetic, which diverged in short fine-tuning runs). Hyperparameter names and
-    defaults are DeepSpeed's.
+    DeepSpeed's arithmetic, whose steps after a short variance phase are several times Adam's:
+    see the argument). Hyperparameter names and defaults are DeepSpeed's.
 
     Args:
         params: parameters or parameter groups.
@@ -62,20 +62,21 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             steps doubles (integer >= 1; the paper's 16), or ``None`` (the default): the interval
             never grows, every step of the variance phase is a variance step (at ``warmup_bits``)
             and the first 1-bit exchange comes after the freeze. The paper's 1-bit gradient steps
-            between variance steps, taken from step 17 on, cost 11-21% of AdamW's held-out loss
-            when pre-training from scratch at small batches (``benchmarks/pretrain.py``; every
-            variance-phase step a variance step: within 1%): the variance phase then sends 8
-            bits per element where the paper's sends 1 on most steps.
+            between variance steps, taken from step 17 on, feed the momentum a 1-bit gradient
+            while the variance is still being estimated, which pre-training from scratch at
+            small batches does not survive (``docs/results.md``, "Pre-training from scratch";
+            ``benchmarks/pretrain.py``): the variance phase then sends 8 bits per element where
+            the paper's sends 1 on most steps.
         local_step_scaler: number of local-phase steps after which the interval between syncs
             doubles (integer >= 1).
         local_step_clipper: largest interval between syncs (integer >= 1).
         auto_mask: from the first compressing step, keep at zero the momentum and synced update
             of coordinates whose averaged gradient was zero on every variance step, or whose
-            ``sqrt(v)`` is below ``eps/100`` (not in the spec; ``False`` follows it exactly).
+            ``sqrt(v)`` is below ``eps/100`` (not in the paper; ``False`` follows it exactly).
         momentum_correction: in the variance phase divide the momentum by ``1 - β1**t`` (``t``
             the step), as Adam does, so that with ``bias_correction`` the first
             ``var_update_scaler`` steps (all variance steps) are AdamW's. Default ``True``;
-            uncorrected (``defaults="paper"``: the paper, DeepSpeed and the spec) the first steps
+            uncorrected (``defaults="paper"``: the paper and DeepSpeed) the first steps
             are up to ``1/(1 - β1)`` = 10x smaller and the run starts about ``1/(1 - β1)`` steps
             behind, which a run of a few dozen steps does not make up. The local phase needs no
             correction: by then ``β1**t`` is negligible, and each sync restores an unbiased
@@ -88,16 +89,17 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             ``False`` (default): the mask is fixed at the first compressing step.
         bias_correction: divide ``sqrt(v)`` by ``sqrt(1 - β2**k)``, ``k`` the number of variance
             updates so far (frozen with ``v``). Default ``True``; not in the paper or DeepSpeed
-            (``False`` follows them exactly, and the spec): without it ``v`` after ``k`` updates
-            is ``1 - β2**k`` of its stationary value, so steps are up to ``1/sqrt(1 - β2**k)``
-            times too large (3.2x after 100 updates with ``β2 = 0.999``, 7.9x after the 16 a
-            short run gets: it diverged). ``False`` with such a freeze warns at construction.
+            (``False`` follows them exactly): without it ``v`` after ``k`` updates is
+            ``1 - β2**k`` of its stationary value, so steps are up to ``1/sqrt(1 - β2**k)`` times
+            too large (3.2x after 100 updates with ``β2 = 0.999``, 7.9x after 16, enough to
+            diverge). ``False`` with such a freeze warns at construction.
             The momentum is corrected only with ``momentum_correction``.
         hierarchical: ``True``: the exchange by node (:mod:`hf_onebit.comm.hierarchical`: an fp32
-            mean inside each node, spec §1's 1-bit exchange among the node means between nodes),
+            mean inside each node, the 1-bit exchange among the node means between nodes),
             which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
             group to be the whole world; ``None``: by node exactly when those hold; ``False``
-            (default): the spec's exchange among all ranks. Full-precision variance steps stay flat; b-bit ones go by node too.
+            (default): the paper's exchange among all ranks. Full-precision variance steps stay flat;
+            b-bit ones go by node too.
         check_finite: without a loss scaler, refuse a non-finite gradient (``FloatingPointError``).
             CPU tensors are checked before the step, which then changes nothing; on a GPU the
             step is masked on the device and the error comes at the next ``step()``, with no host
@@ -108,7 +110,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             local steps) divide by ``max(sqrt(v̂), |m|/update_clip) + eps``, so no coordinate
             moves by more than ``update_clip·lr`` (plus weight decay); at a sync the move
             ``ū/(sqrt(v̂)+eps)`` is bounded the same way by ``update_clip·λ``, dividing by
-            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. Default ``1.0``; ``None``: the spec's update.
+            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. Default ``1.0``; ``None``: the paper's update.
             It is 1-bit Adam's bound (see :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`) in
             0/1 Adam's two places where a stale variance meets compression noise. The HF
             integration passes 1.0.
@@ -120,19 +122,19 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             the sync's clip (the same ``update_clip·lr`` here). Which is better depends on the
             run (docs/algorithms.md, "Update clip"); the default is ``False``.
         sync_in_momentum_units: at a sync, compress ``u ⊙ (sqrt(v)+eps) / λ`` (the mean momentum
-            since the last sync) instead of ``u ⊙ (sqrt(v)+eps)`` (the spec: a sum of
+            since the last sync) instead of ``u ⊙ (sqrt(v)+eps)`` (the paper: a sum of
             learning-rate-weighted momenta), and multiply the average by ``λ`` again. The error
-            feedback then carries momentum, whatever the learning rate. In the spec's units a
+            feedback then carries momentum, whatever the learning rate. In the paper's units a
             residual left at one sync is divided by the next sync's ``λ`` when the momentum
             ``-ū/λ`` is restored: as a decaying schedule takes ``λ`` towards 0 at the end of a
             run, the restored momentum becomes mostly compression residue. ``False`` (default):
-            the spec.
+            the paper's.
         warmup_bits: how the variance steps exchange the gradient: ``8`` (the default) or ``4``
-            with spec §1b's b-bit exchange, with error buffers of its own (4 bytes per parameter
-            during the variance phase), apart from the 1-bit steps' that alternate with it;
-            ``None`` (the spec) at full precision.
+            with the b-bit exchange (``docs/algorithms.md``, "Exchanges"), with error buffers of
+            its own (4 bytes per parameter during the variance phase), apart from the 1-bit
+            steps' that alternate with it; ``None`` (the paper) at full precision.
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
-            that is left out takes its measured value; ``"paper"``: the spec's value instead.
+            that is left out takes the library's value; ``"paper"``: the paper's value instead.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
             :meth:`~hf_onebit.optim.freeze.FreezeSchedule.fit_to_run`).
 
@@ -143,7 +145,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         phase        step                     plan               what is communicated            where
         -----------  -----------------------  -----------------  ------------------------------  ---------------------------
         variance     variance step:           QUANTIZE_GRADIENT  gradient, b = warmup_bits bits   hook, during backward
-                     t mod var_interval == 0  (spec §1b)         + error feedback (its own
+                     t mod var_interval == 0                     + error feedback (its own
                                                                  buffers)
                      (warmup_bits=None)       ALLREDUCE          mean gradient, full precision
                                                                  (the gradient's dtype)
@@ -177,7 +179,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
     State (fp32 per parameter, also for bf16/fp16 parameters): ``exp_avg`` (m), ``exp_avg_sq``
     (v); in the local phase also ``momentum_accumulator`` (u, the sum of this rank's updates
     since the last sync, negated), ``lr_sum`` (λ, a float) and, with more than one rank,
-    ``synced_param`` (the parameter at the last sync, identical on all ranks). The spec moves
+    ``synced_param`` (the parameter at the last sync, identical on all ranks). The paper moves
     back to that point with ``p - u``; computed in floating point, ``p - u`` carries the
     rounding of this rank's own local updates, so ranks would end a sync a few ulps apart.
     Keeping the point itself (4 more bytes per parameter) makes every rank land on bitwise
@@ -186,10 +188,10 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
     starts (they then measure the error of the accumulated updates).
 
     One process (``world_size == 1``): nothing is communicated and nothing is compressed (the
-    spec's compressed all-reduce is the identity for ``n = 1``). A sync step then leaves the
+    compressed all-reduce is the identity for ``n = 1``). A sync step then leaves the
     parameters where the local steps took them (``p - u + u⊙d/d = p``; the round trip is
     skipped so no rounding is added), sets ``m = -u⊙(sqrt(v)+eps)/λ`` (the λ-weighted mean of
-    ``m + wd·p·(sqrt(v)+eps)`` over the interval, exactly what the spec yields for ``n = 1``)
+    ``m + wd·p·(sqrt(v)+eps)`` over the interval, exactly what the paper's sync yields for ``n = 1``)
     and resets ``u`` and ``λ``.
 
     Checkpoints: ``state_dict()`` (rank 0's copy is enough) holds the counters and the optimizer
@@ -231,7 +233,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         defaults: str = "library",
         total_steps: int | None = None,
     ) -> None:
-        # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
+        # arguments left out take the library's defaults, or the papers' (optim/defaults.py)
         (var_freeze_step, scale_per_tensor, update_clip, clip_synced_momentum, warmup_bits, var_update_scaler,
          momentum_correction) = resolve_defaults(
             "ZeroOneAdam", defaults, var_freeze_step=var_freeze_step, scale_per_tensor=scale_per_tensor,
@@ -538,7 +540,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                     torch._foreach_copy_(m, ubar_live)
                     torch._foreach_div_(m, [-lam for lam in lams])
                     points = part.state("synced_param")
-                    # the spec's (p - u) + ū/(sqrt(v)+eps); with update_clip no coordinate moves by more than update_clip·λ
+                    # the paper's (p - u) + ū/(sqrt(v)+eps); with update_clip no coordinate moves by more than update_clip·λ
                     roots_live = roots if part is chunk else [roots[i] for i in live]
                     torch._foreach_addcdiv_(points, ubar_live, self._denominators(part, ubar_live, lams, roots_live))
                     torch._foreach_copy_(part.params, points)
