@@ -3,7 +3,7 @@ cores update together.
 
 A step that loops over parameter tensors issues every eager op once per tensor: on a GPU each
 is a kernel launch of ~5-10 µs of host time, so a model of a few hundred tensors spends
-milliseconds per step launching (issue 29). ``torch.optim.Adam``'s multi-tensor path instead
+milliseconds per step launching. ``torch.optim.Adam``'s multi-tensor path instead
 groups the tensors and applies each operation to a whole list at once; the cores of 1-bit Adam,
 0/1 Adam and 1-bit LAMB do the same, over the :class:`Chunk` lists made here. Each ``_foreach_``
 op computes, per element, exactly what the same eager op computes on one tensor (on CPU it *is*

@@ -258,8 +258,9 @@ UNDECIDED = 2**62
 
 #: Warn when a variance frozen without bias correction makes the first steps after the freeze
 #: more than this many times larger than Adam's (``1 / sqrt(1 - β2**k)`` after ``k`` updates).
-#: Measured on the GLUE recipe (0/1 Adam, β2 = 0.999): 4.8x (44 updates) lost 3.6 points, 7.9x
-#: (16 updates) diverged; DeepSpeed's own defaults give 2.3x (201 updates in 100k steps).
+#: It lets through DeepSpeed's own 0/1 Adam defaults (201 variance updates in 100k steps: 2.3x
+#: with β2 = 0.999) and catches the short variance phases of fine-tuning runs (44 updates: 4.8x;
+#: 16: 7.9x), whose oversized first steps cost accuracy or diverge.
 UNCORRECTED_STEP_LIMIT = 3.0
 
 
@@ -336,8 +337,8 @@ class FreezeSchedule:
         """Warn at construction when a variance frozen without bias correction is known to be unstable.
 
         After ``k`` updates an uncorrected ``v`` is ``1 - β2**k`` of its stationary value, so
-        steps are ``1/sqrt(1 - β2**k)`` times Adam's (3.2x after 100 updates with β2 = 0.999):
-        the 0/1 Adam run that diverged in issue 11 had 16 variance updates (7.9x).
+        steps are ``1/sqrt(1 - β2**k)`` times Adam's (3.2x after 100 updates with β2 = 0.999;
+        7.9x after 16, enough to diverge). It warns above :data:`UNCORRECTED_STEP_LIMIT`.
         ``updates``: the number of variance updates before the freeze (default: the freeze step).
         """
         if self.auto_freeze is not None:
