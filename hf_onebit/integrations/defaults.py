@@ -49,35 +49,32 @@ import sys
 
 #: optimizers trained without gradient clipping unless --max_grad_norm is given, and why
 NO_CLIPPING = {
-    # BinSGDM's .grad is the vote average, whose norm is ~sqrt(#parameters): clipping shrinks every step.
-    # Measured with transformers' run_mlm.py (MiniLM, 2 processes): loss 10.78 -> 10.87 with clipping at 1,
-    # 10.78 -> 7.85 without.
+    # BinSGDM's .grad is the vote average, each coordinate a mean of ±1 votes (of order 1), so its norm grows
+    # like sqrt(#parameters): clipping at 1 divides every step by about that, and training stalls.
     "binsgdm": "its vote average has a norm of ~sqrt(#parameters): clipping at 1 shrinks every step by that factor",
     # After the freeze .grad holds the averaged momentum, so clipping bounds the momentum built from
     # unclipped gradients, while the frozen variance came from clipped ones: the step grows by up to
-    # the clipping factor. Measured with the GLUE recipe: 2 seeds, 82.2 / 81.2 with clipping at 1,
-    # 81.7 / 83.0 without (AdamW with clipping 82.8 / 82.4; docs/results.md).
+    # the clipping factor (docs/algorithms.md, "Gradient clipping with a frozen variance").
     "onebit_adam": "after the freeze .grad holds the averaged momentum: clipping would bound the momentum, not the"
                    " gradient",
     # After var_freeze_step the variance that divides the step is frozen, so clipping at 1 scales every step
-    # by 1/||g|| (each rank's own gradient: ||g|| 2.3-5.3 on the tweets after the freeze), which Adam's variance
-    # would have absorbed. The stock table, paired with AdamW: tweets -1.15 / -0.63 points (automatic / 20%
-    # freeze, 3 seeds) with clipping, +0.21 / +0.58 without; Rotten Tomatoes (3 seeds) -0.45 / +0.13 -> +0.03 / +0.03.
+    # by 1/||g|| (each rank's own gradient, in the local phase), which Adam's variance, built from the same
+    # clipped gradients, would have absorbed: an lr schedule set by the gradient norm (docs/algorithms.md,
+    # "Gradient clipping with a frozen variance").
     "zeroone_adam": "after the variance freezes, clipping scales each step by 1/||g|| and the frozen variance does not"
                     " undo it",
 }
 
 #: optimizers whose learning rate must differ from the Trainer's default (5e-5), the value, and why
 LEARNING_RATE = {
-    # LAMB's trust ratio moves each tensor by ~lr of its own norm per step: at 5e-5 a fine-tuning run
-    # barely moves (transformers' run_classification.py, MiniLM: accuracy 0.86 against AdamW's 0.97).
-    # The GLUE recipe's value (recipes/glue/run_table.py).
+    # LAMB's trust ratio moves each tensor by ~lr of its own norm per step, so each coordinate by ~lr times
+    # a typical weight's magnitude (well below 1), where Adam moves it by ~lr: at Adam's 5e-5 a fine-tuning
+    # run barely moves. The GLUE recipe's value (recipes/glue/run_table.py).
     "onebit_lamb": (1e-3, "LAMB's trust ratio moves each tensor by ~lr x its norm per step; at 5e-5 it barely"
                           " trains"),
     # BinSGDM moves each coordinate by lr x the mean of stochastic signs whose expectation m/(b+eps) is
-    # well below 1 where gradients are noisy, so at Adam's lr it trains more slowly than Adam. The stock
-    # table (docs/results.md), 3 seeds each, paired with AdamW at 5e-5: tweets -1.17 points at 5e-5, +1.46
-    # at 1e-4; Rotten Tomatoes -0.24 at 5e-5, +1.70 at 1e-4. The GLUE recipe: 78.9% at 3e-5, 83.1% at 1e-4.
+    # well below 1 where gradients are noisy, so at Adam's lr it trains more slowly than Adam
+    # (docs/results.md, "Accuracy against AdamW": BinSGDM at 5e-5 and at 1e-4).
     "binsgdm": (1e-4, "its step is lr x a mean of random signs whose expectation |m|/(b+eps) is well below 1"
                       " for noisy gradients; at Adam's 5e-5 it trains more slowly than Adam"),
 }
