@@ -72,8 +72,8 @@ def check_compiled_autograd(ddp) -> None:
     is attached is refused here, at attach time. ``torch.compile`` of the model without compiled
     autograd (``optimize_ddp`` True, the default) works: the backward runs DDP's C++ reducer.
     """
-    # Either setting lives in torch._dynamo's config: where nothing imported torch._dynamo (1.2 s
-    # of start-up), nothing set it, so it is read only from an already imported module.
+    # Either setting lives in torch._dynamo's config: where nothing imported torch._dynamo (a slow
+    # import), nothing set it, so it is read only from an already imported module.
     dynamo = sys.modules.get("torch._dynamo")
     used = getattr(ddp, "_use_python_reducer", None)  # what DDP chose when it was built
     if used is None and dynamo is not None:  # a torch without the attribute: the mode now

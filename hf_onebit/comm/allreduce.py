@@ -44,9 +44,9 @@ class MeanAllReduce:
 def finite_flag(t: torch.Tensor) -> torch.Tensor:
     """Whether every element of ``t`` is finite, as a 0-dim bool tensor on ``t``'s device (no sync).
 
-    One ``aminmax`` pass: a NaN anywhere makes both NaN, an inf makes one of them infinite. On
-    CPU (torch 2.13, one thread) ``isfinite(t).all()`` takes ~95 ms for 11M fp32 elements and
-    this 5 ms, a tenth of BinSGDM's step.
+    One ``aminmax`` pass: a NaN anywhere makes both NaN, an inf makes one of them infinite.
+    ``isfinite(t).all()`` instead writes a bool tensor the size of ``t`` and reduces it, many times
+    slower on CPU, where the check runs on every BinSGDM step.
     """
     if t.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=t.device)

@@ -176,9 +176,9 @@ def release_at_exit() -> None:
     with NCCL in it is left to PyTorch (its teardown may wait on peers that crashed).
 
     Destroying the group only unregisters it: the DDP model still holds it (and its comm hook's
-    Python state), and a model prepared by Accelerate (seen with recipes/accelerate_tiny_bert.py)
-    sits in a reference cycle that outlives the script. Left alone they are freed during interpreter finalization, the state
-    in which the C++ side can no longer take the GIL. ``gc.collect()`` frees them here instead.
+    Python state), and a model prepared by Accelerate can sit in a reference cycle that outlives
+    the script. Left alone they are freed during interpreter finalization, the state in which the
+    C++ side can no longer take the GIL. ``gc.collect()`` frees them here instead.
     """
     with _LOCK:
         entries = list(_EXECUTORS.values())

@@ -485,7 +485,7 @@ def vote_threshold(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: f
     ``m_out = β·m + (1-β)·g``, ``b_out = β·b + (1-β)·|g|``, ``theta = (1 + m_out/(b_out+eps))/2``
     over flat contiguous fp32 CPU tensors; every operation rounded on its own, in the torch
     function's order, with the scalars rounded to fp32 as torch rounds them. The torch version
-    makes ten passes over memory (~70 ms for 11M elements on one thread), this one one.
+    makes ten passes over memory, this one one.
     """
     contract.check_vote(m, b, g, m_out, b_out, theta)
     arrays = [_inplace_view(name, t, torch.float32) for name, t in

@@ -87,8 +87,8 @@ if sys.byteorder != "little":  # _flags_to_bytes reads 8 flag bytes as one littl
     raise ImportError("hf_onebit.kernels.cpu assumes a little-endian CPU; use the reference backend")
 
 # Elements per block in the blocked kernels: 2 KiB of flags + 8 KiB of fp32 scratch stay in
-# L1 next to the streamed data. Smaller blocks pay the per-block call and slicing overhead
-# measurably; larger ones measured no faster.
+# L1 next to the streamed data. Smaller blocks pay the per-block call and slicing overhead on
+# too few elements; larger ones amortise nothing more and push the scratch out of L1.
 _BLOCK = 2048
 
 # Multiplying 8 little-endian 0/1 bytes by this constant (byte j of it is 2**j) moves flag k
@@ -205,9 +205,9 @@ def _worker_pack(x, error, bits_out, s, update):
     flags = np.empty(_BLOCK, np.uint8)  # reused for every block, stays in L1
     words = flags.view(np.uint64)
     # Whole blocks first. The constant trip count, plain `base + j` indexing and the inlined
-    # packing loop matter: this form measured ~20% faster than iterating over slices and
-    # calling _flags_to_bytes, and a variable trip count with `base + j` indexing was not
-    # vectorised at all (3x slower).
+    # packing loop matter: they spare a slice and a call per block (iterating over slices and
+    # calling _flags_to_bytes is slower), and LLVM does not vectorise a variable trip count with
+    # `base + j` indexing at all.
     full_end = n - n % _BLOCK
     for base in range(0, full_end, _BLOCK):
         # Two copies of the loop instead of an `if update` inside it: keeps both branch-free.
@@ -453,8 +453,8 @@ def _unpack_pieces(bits, lut, bounds, out):
         neg = lut[p, 0]
         pos = lut[p, 1]
         full_end = lo + (hi - lo) // 8 * 8
-        # The loop shape of _unpack (a byte counter, 8 stores per byte): measured faster than
-        # stepping the element offset by 8.
+        # The loop shape of _unpack (a byte counter, 8 stores per byte), which compiles to
+        # faster code than stepping the element offset by 8 (benchmarks/kernels.py).
         for b in range(lo // 8, full_end // 8):
             byte = bits[b]
             o = 8 * b
@@ -576,7 +576,7 @@ def _qspan(x, error, codes_out, s, update, width):
 
     Separate loops per case (usable scale or not, update or not, width), each branch-free so
     LLVM vectorises it (the division, ``rint`` and the code conversion all have vector forms);
-    a branch inside the loop measured ~10x slower.
+    a branch inside the loop would keep it scalar.
     """
     n = x.size
     Q = _qlevels(width)
@@ -773,8 +773,8 @@ def _qserver_pack_pieces(codes, scales_t, server_error, t, update, codes_out, bo
 def _qunpack_span(codes, s, out, width):
     """fp32 ``out[k] = s·q_k`` for ``k < out.size``: one fp32 product per element, the
     reference's exactly. ``codes`` and ``out`` are views starting at the same element: a loop
-    from 0 over views vectorises, the same loop over ``[lo, hi)`` of the whole buffers did not
-    (5-6x slower, measured with benchmarks/kernels.py)."""
+    from 0 over views vectorises, the same loop over ``[lo, hi)`` of the whole buffers does not
+    (``benchmarks/kernels.py`` shows the difference)."""
     qf = np.float32(_qlevels(width))
     if width == 8:
         for k in range(out.size):

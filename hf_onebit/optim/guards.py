@@ -29,10 +29,11 @@ def finite_flag(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A 0-dim bool on the tensors' device: every tensor's 2-norm is finite. No host read.
 
     A NaN or inf anywhere makes that tensor's norm non-finite; the fused ``_foreach_norm`` reads
-    each tensor once (16x faster than ``isfinite(g).all()`` per tensor on 98 tensors of MiniLM;
-    on CPU the ∞-norm, which could not overflow, is 25x slower than this). The norms are judged
-    one by one, not summed, so only a tensor whose own norm exceeds fp32's range (elements near
-    1e19) reads as non-finite while finite: its square would make Adam's variance infinite anyway.
+    each tensor once, for the whole list at once (``isfinite(g).all()`` per tensor launches two
+    ops and writes a bool temporary per tensor; the ∞-norm, which could not overflow, is much
+    slower on CPU). The norms are judged one by one, not summed, so only a tensor whose own norm
+    exceeds fp32's range (elements near 1e19) reads as non-finite while finite: its square would
+    make Adam's variance infinite anyway.
     """
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     return torch.isfinite(torch.stack(norms).max())  # max is NaN (inf) where any norm is

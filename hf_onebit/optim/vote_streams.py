@@ -9,8 +9,6 @@ in another order, or when a step is skipped and retried: a resumed run draws exa
 the uninterrupted run draws, with no generator state to save. Every device draws the same
 numbers: a bucket's draws are one call of the kernel backend's ``vote_uniform`` (numba on CPU,
 Triton on CUDA, both bitwise numpy's Philox, see :func:`hf_onebit.kernels.reference.vote_uniform`).
-(Earlier versions drew CUDA tensors from torch's generator, one launch per parameter: a CUDA run
-saved by them draws other numbers after a resume, with the same distribution.)
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Reusable fp32 scratch tensors for an optimizer's step (no fresh temporaries per tensor).
 
 Why: on CPU a fresh multi-MB temporary costs a page fault per 4 KiB the first time it is
-written (glibc hands large blocks out with ``mmap`` and gives them back on free). Measured with
-torch 2.13 on one thread: ``x.sqrt()`` of 1M fp32 elements takes 2.6 ms, ``torch.sqrt(x,
-out=buf)`` into an existing buffer 0.5 ms. An update that makes five temporaries per parameter
-tensor (1-bit LAMB's compression step) spends most of its time faulting pages in. On CUDA the
-caching allocator already reuses blocks; there a workspace keeps the same peak memory, only
-for longer.
+written (glibc hands large blocks out with ``mmap`` and gives them back on free), while
+``torch.sqrt(x, out=buf)`` into an existing buffer only streams memory: for an elementwise op
+the faults cost several times the arithmetic. An update that makes five temporaries per
+parameter tensor (1-bit LAMB's compression step) would spend most of its time faulting pages
+in. On CUDA the caching allocator already reuses blocks; there a workspace keeps the same peak
+memory, only for longer.
 
 A :class:`Workspace` holds a few flat fp32 buffers per device ("slots"), each grown to the
 largest request it has served. ``get(slot, like)`` returns a contiguous fp32 view shaped like
