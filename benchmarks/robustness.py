@@ -10,7 +10,9 @@ A method is judged against the method it compresses, at the **same** hyperparame
 length, world size, global batch, seed, data order): 1-bit Adam and 0/1 Adam against AdamW, 1-bit
 LAMB against uncompressed LAMB (``OneBitLamb(freeze_step=10**9, warmup_bits=None)``: exact LAMB on
 the averaged gradient, the warmup arithmetic of 1-bit LAMB), BinSGDM against AdamW at BinSGDM's
-own lr. Every hf_onebit optimizer runs at the library's defaults: only ``lr``, ``total_steps``
+own lr and, as "BinSGDM (no vote)", against its own update without the 1-bit vote
+(``p -= lr·(m/(b + eps) + wd·p)`` on the averaged gradient, :class:`UnvotedBinSGDM`): the first gap
+is the method's, the second what the vote's noise costs. Every hf_onebit optimizer runs at the library's defaults: only ``lr``, ``total_steps``
 and, for the ``0.2`` freeze, the published 20% (``freeze_step`` / ``var_freeze_step``) are given.
 The lr decays linearly to 0 over the run (transformers' default schedule), for every method.
 
@@ -54,8 +56,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 #: the compressed methods and the baseline each is judged against
 BASELINE = {"onebit_adam": "adamw", "zeroone_adam": "adamw", "onebit_lamb": "lamb", "binsgdm": "adamw_binsgdm"}
 METHODS = list(BASELINE)
-BASELINES = sorted(set(BASELINE.values()))
-LABELS = {"onebit_adam": "1-bit Adam", "zeroone_adam": "0/1 Adam", "onebit_lamb": "1-bit LAMB", "binsgdm": "BinSGDM"}
+#: a second baseline: the method's own update with its compression taken out (reported as ``<method>_novote``)
+SECOND_BASELINE = {"binsgdm": "unvoted_binsgdm"}
+BASELINES = sorted(set(BASELINE.values()) | set(SECOND_BASELINE.values()))
+LABELS = {"onebit_adam": "1-bit Adam", "zeroone_adam": "0/1 Adam", "onebit_lamb": "1-bit LAMB", "binsgdm": "BinSGDM",
+          "binsgdm_novote": "BinSGDM (no vote)"}
 
 #: per task: the advised lr of each method family, the global batch, the metric
 TASKS = {
@@ -66,7 +71,8 @@ TASKS = {
 
 
 def family(name: str) -> str:
-    return {"onebit_lamb": "lamb", "lamb": "lamb", "binsgdm": "binsgdm", "adamw_binsgdm": "binsgdm"}.get(name, "adam")
+    return {"onebit_lamb": "lamb", "lamb": "lamb", "binsgdm": "binsgdm", "adamw_binsgdm": "binsgdm",
+            "unvoted_binsgdm": "binsgdm"}.get(name, "adam")
 
 
 # ====================================================================== tasks
@@ -206,6 +212,33 @@ TASK_CLASSES = {"bow": BowTask, "minilm": MiniLMTask, "lm": LMTask}
 
 
 # ====================================================================== one cell
+def unvoted_binsgdm(params, lr: float):
+    """BinSGDM's update with the exact mean in place of its 1-bit vote, on the averaged gradient:
+    ``m = β·m + (1-β)·g``, ``b = β·b + (1-β)·|g|``, ``p -= lr·(m/(b + eps) + wd·p)`` at BinSGDM's
+    defaults (the vote's ``q̄`` is an unbiased estimate of ``m/(b + eps)`` when every rank sees ``g``)."""
+    import torch
+
+    class UnvotedBinSGDM(torch.optim.Optimizer):
+        def __init__(self, params, lr, beta=0.9, eps=1e-8, weight_decay=0.0):
+            super().__init__(params, dict(lr=lr, beta=beta, eps=eps, weight_decay=weight_decay))
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                beta = group["beta"]
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    st = self.state[p]
+                    if not st:
+                        st["m"], st["b"] = torch.zeros_like(p), torch.zeros_like(p)
+                    st["m"].mul_(beta).add_(p.grad, alpha=1 - beta)
+                    st["b"].mul_(beta).add_(p.grad.abs(), alpha=1 - beta)
+                    p.add_(st["m"] / (st["b"] + group["eps"]) + group["weight_decay"] * p, alpha=-group["lr"])
+
+    return UnvotedBinSGDM(params, lr)
+
+
 def build(name: str, params, lr: float, steps: int, freeze, extra: dict | None = None):
     """(optimizer, uses the hf_onebit hook) for ``name`` at the library's defaults (``extra``:
     keyword arguments for the compressed method, ``--optim-args``)."""
@@ -215,6 +248,8 @@ def build(name: str, params, lr: float, steps: int, freeze, extra: dict | None =
 
     if name in ("adamw", "adamw_binsgdm"):
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0), False
+    if name == "unvoted_binsgdm":
+        return unvoted_binsgdm(params, lr), False
     if name == "lamb":
         return hf_onebit.OneBitLamb(params, lr=lr, freeze_step=10**9, warmup_bits=None), True
     if name == "binsgdm":  # no warmup, no freeze
@@ -279,6 +314,11 @@ def _worker(rank, world, port, args, cells, queue):
     dist.destroy_process_group()
 
 
+def baselines_of(methods) -> list[str]:
+    """The uncompressed runs that ``methods`` are judged against."""
+    return sorted({BASELINE[m] for m in methods} | {SECOND_BASELINE[m] for m in methods if m in SECOND_BASELINE})
+
+
 def cells_of(args, world: int) -> list[dict]:
     """Every run at one world size: each method at each freeze, each baseline once."""
     spec = TASKS[args.task]
@@ -327,11 +367,14 @@ def gaps(runs: list[dict], metric: str) -> list[dict]:
     for r in runs:
         if r["method"] not in BASELINE:
             continue
-        b = base.get((BASELINE[r["method"]], r["lr_mult"], r["steps"], r["world"], r["seed"]))
-        if b is None:
-            continue
-        gap = b - r["score"] if metric == "accuracy" else (r["score"] - b) / b * 100
-        out.append(dict(r, baseline=b, gap=gap))
+        pairs = [(r["method"], BASELINE[r["method"]])]
+        if r["method"] in SECOND_BASELINE:
+            pairs.append((r["method"] + "_novote", SECOND_BASELINE[r["method"]]))
+        for label, baseline in pairs:
+            b = base.get((baseline, r["lr_mult"], r["steps"], r["world"], r["seed"]))
+            if b is not None:
+                gap = b - r["score"] if metric == "accuracy" else (r["score"] - b) / b * 100
+                out.append(dict(r, method=label, baseline=b, gap=gap))
     return out
 
 
@@ -434,7 +477,7 @@ def main(argv=None) -> None:
         for w in args.world_sizes:
             if TASKS[args.task]["global_batch"] % w:
                 p.error(f"--world-sizes: {w} does not divide the task's global batch {TASKS[args.task]['global_batch']}")
-        args.baselines = sorted({BASELINE[m] for m in args.methods})
+        args.baselines = baselines_of(args.methods)
         t0 = time.time()
         runs = run_grid(args)
         meta = dict(task=args.task, dataset=args.dataset, metric=TASKS[args.task]["metric"], argv=sys.argv[1:],
