@@ -34,8 +34,8 @@ API offers no way to replace it. The all-reduce hook runs *after* it, and
 
 With ``S > 1`` what is judged on whole tensors sums (or maximises) each rank's per-tensor figures
 over its replica: the automatic freeze's statistics (one small all-reduce per check) and 1-bit
-LAMB's norms, factors and momentum scalings (two small all-reduces per step, and one copy of the
-rank's shards for the directions held meanwhile).
+LAMB's norms, factors and momentum scalings (at most two small all-reduces per step, and one copy
+of the rank's shards for the directions held meanwhile).
 
 Checkpoints: :mod:`hf_onebit.sharded_checkpoint` writes the optimizer state as a distributed
 checkpoint, finding each local shard's DTensor and name through :class:`FSDPHookState`'s

@@ -281,23 +281,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
             self._group_cache = {id(p): g for g in self.param_groups for p in g["params"]}
         return self._group_cache
 
-    def grads_in_order(self, init_state: Callable[[torch.Tensor], dict] | None = None, *, skip_empty: bool = False):
-        """``(p, grad32, state, group)`` for every parameter with a gradient, in parameter order.
-
-        The per-tensor prologue (1-bit LAMB on FSDP2 shards; the list cores use
-        :func:`hf_onebit.optim.foreach.chunks`): sparse gradients are refused here; ``grad32`` is
-        ``p.grad`` in fp32 (``p.grad`` itself when it is fp32); ``state`` is ``init_state(p)``
-        (``None`` without one). ``skip_empty`` leaves out parameters with no elements.
-        """
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None or (skip_empty and p.numel() == 0):
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("hf_onebit optimizers do not support sparse gradients")
-                grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-                yield p, grad, (init_state(p) if init_state is not None else None), group
-
     # ---------------------------------------------------------------- segments
     def _new_compressor(self, key: tuple[int, ...], device: torch.device) -> CompressedAllReduce:
         """The compressed all-reduce of a new segment over the parameters ``key``."""

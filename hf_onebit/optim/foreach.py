@@ -110,12 +110,11 @@ def chunks(opt: OneBitOptimizer, init_state: Callable[[torch.Tensor], dict] | No
            ok: torch.Tensor | None = None) -> Iterator[Chunk]:
     """The :class:`Chunk` lists of every parameter with a gradient, in parameter order within each.
 
-    As :meth:`~hf_onebit.optim.base.OneBitOptimizer.grads_in_order` per tensor: sparse gradients
-    are refused, ``init_state(p)`` makes a parameter's state at its first use, ``skip_empty``
-    leaves out parameters with no elements. ``params``: these parameters instead, gradient or
-    not (the chunks' ``grads`` are then ``None``). ``ok``: the device flag of a step masked on
-    the device (:attr:`~hf_onebit.optim.base.OneBitOptimizer.finite_ok`): the gradients read as
-    zero where it fails (:meth:`Chunk.sanitized_grads`).
+    Sparse gradients are refused, ``init_state(p)`` makes a parameter's state at its first use,
+    ``skip_empty`` leaves out parameters with no elements. ``params``: these parameters instead,
+    gradient or not (the chunks' ``grads`` are then ``None``). ``ok``: the device flag of a step
+    masked on the device (:attr:`~hf_onebit.optim.base.OneBitOptimizer.finite_ok`): the gradients
+    read as zero where it fails (:meth:`Chunk.sanitized_grads`).
     """
     ws = opt._workspace
     wanted = None if params is None else {id(p) for p in params}

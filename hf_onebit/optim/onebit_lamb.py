@@ -6,7 +6,8 @@ Spec §4. See :class:`OneBitLamb` for the maths, the phase table and what ``.gra
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
 
 import torch
 
@@ -15,13 +16,24 @@ from hf_onebit.optim.foreach import Chunk, chunks, masked_factor, select_
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.tensors import logical, update_in_fp32_
-from hf_onebit.optim.update_clip import check_update_clip, clip_root_, clip_roots_
+from hf_onebit.optim.tensors import logical
+from hf_onebit.optim.update_clip import check_update_clip, clip_roots_
 from hf_onebit.optim.validation import check_bool, check_warmup_bits
 
 
-def _norm(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(logical(x))  # logical order: channels_last sums like contiguous
+def _maxima(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's maximum, stacked; 0 for an empty one (an FSDP2 shard with no elements has
+    no ratio: 0 leaves the maximum over the other shards, whose ratios are positive)."""
+    full = [x for x in xs if x.numel()]
+    maxima = iter(torch._foreach_max(full) if full else ())
+    return torch.stack([next(maxima) if x.numel() else x.new_zeros(()) for x in xs])
+
+
+def _reduced(vectors: list[torch.Tensor], reduce) -> Iterator[torch.Tensor]:
+    """``reduce`` of all ``vectors`` in one call (one collective), cut back to their lengths."""
+    if not vectors:
+        return iter(())
+    return iter(reduce(torch.cat(vectors)).split([len(v) for v in vectors]))
 
 
 class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
@@ -268,99 +280,15 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         state["last_factor"] = torch.ones((), **scalar)
         state["scaling"] = torch.ones((), **scalar)
 
-    @staticmethod
-    def _apply_update(p: torch.Tensor, u: torch.Tensor, coeff: torch.Tensor, lr: float) -> None:
-        """``p -= lr·coeff·u`` (``u`` is consumed); low-precision parameters are rounded once."""
-        u.mul_(coeff)
-        update_in_fp32_(p, lambda w: w.add_(u, alpha=-lr))
-
-    def _warmup_direction(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict):
-        """Adam's moments, then the direction ``u = m/(sqrt(v)+eps) + wd·p`` and the weights ``pf``."""
-        beta1, beta2 = group["betas"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        pf = p if p.dtype == torch.float32 else p.float()
-        bc = self._corrections(group)
-        if bc is None:
-            u = m / v.sqrt().add_(group["eps"])
-        else:  # m̂/(sqrt(v̂) + eps)
-            u = (m * bc[0]).div_(v.sqrt().mul_(bc[1]).add_(group["eps"]))
-        if group["weight_decay"]:
-            u.add_(pf, alpha=group["weight_decay"])
-        return pf, u
-
-    def _warmup_finish(self, p: torch.Tensor, u: torch.Tensor, w_norm: torch.Tensor, u_norm: torch.Tensor,
-                       state: dict, group: dict) -> None:
-        """The trust ratio ``c`` from the whole tensor's norms, its average, the step."""
-        ratio = (w_norm / u_norm).clamp_(group["min_coeff"], group["max_coeff"])
-        c = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
-        cb = group["coeff_beta"]
-        frozen = state["coeff_frozen"]
-        average = frozen * cb + (1 - cb) * c
-        if self.bias_correction:  # the average starts at the first ratio, not at 0
-            average = torch.where(frozen == 0, c, average)
-        frozen.copy_(torch.where(c != 1, average, frozen))
-        self._apply_update(p, u, c, group["lr"])
-
-    def _compression_direction(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, synced: bool,
-                               keep: bool = False):
-        """The momentum and fresh variance, then the direction ``u`` with its preliminary factor
-        ``max(denom/fresh)`` and the norms of ``u`` before and after weight decay (``None``
-        without it). ``keep``: ``u`` in its own memory (not a workspace slot the next parameter reuses)."""
-        beta1, beta2 = group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
-        m, v, v_fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
-        ws = self._workspace  # slot 0: new m, then sqrt(v); slot 1: g̃, then the update u; slot 2: scratch
-        if synced:  # the hook delivered the averaged momentum in .grad
-            new_m = grad if "mask" not in state else torch.mul(grad, state["mask"], out=ws.get(0, p))
-        else:  # one process: the momentum is local and exact
-            new_m = torch.mul(m, beta1, out=ws.get(0, p)).add_(grad, alpha=1 - beta1)
-            if "mask" in state:
-                new_m.mul_(state["mask"])
-        g_rec = torch.sub(new_m, m, alpha=beta1, out=ws.get(1, p)).div_(1 - beta1)  # (m − β1·m_prev)/(1−β1)
-        m.copy_(new_m)
-        v_fresh.mul_(beta2).addcmul_(g_rec, g_rec, value=1 - beta2)
-        bc = self._corrections(group)
-        root = torch.sqrt(v, out=ws.get(0, p))
-        fresh = torch.sqrt(v_fresh, out=ws.get(1, p))
-        if bc is not None:  # m̂, sqrt(v̂), sqrt(v̂_fresh)
-            m = m * bc[0]
-            root.mul_(bc[1])
-            fresh.mul_(bc[2])
-        denom = torch.add(root, eps, out=ws.get(2, p))  # sqrt(v) + eps
-        ratios = torch.div(denom, fresh.add_(eps), out=fresh)
-        # an empty shard (FSDP2) has no ratio: 0 leaves the maximum over the other shards
-        factor = ratios.max() if ratios.numel() else torch.zeros((), dtype=torch.float32, device=p.device)
-        if self.update_clip is not None:  # |m/denom| <= update_clip
-            denom = clip_root_(root, m, self.update_clip, ws.get(1, p)).add_(eps)
-        u = torch.div(m, denom, out=None if keep else ws.get(1, p))
-        prelim_norm = u_norm = None
-        if wd:
-            pf = p if p.dtype == torch.float32 else p.float()
-            prelim_norm = _norm(u)
-            u.add_(pf, alpha=wd)
-            u_norm = _norm(u)
-        return u, factor, prelim_norm, u_norm
-
-    def _compression_finish(self, p: torch.Tensor, u: torch.Tensor, factor: torch.Tensor, prelim_norm, u_norm,
-                            state: dict, group: dict) -> None:
-        """The factor (weight decay's share, bounds, threshold against the last one), the step."""
-        if group["weight_decay"]:
-            rho = torch.where(u_norm > 0, (prelim_norm / u_norm).clamp(max=1.0), torch.ones_like(u_norm))
-            factor = rho * factor + (1 - rho)
-        factor = factor.clamp(group["factor_min"], group["factor_max"])
-        last = state["last_factor"]
-        thr = group["factor_threshold"]
-        factor = torch.clamp(factor, last * (1 - thr), last * (1 + thr))
-        last.copy_(factor)
-        self._apply_update(p, u, state["coeff_frozen"] * factor, group["lr"])
-
     # ---------------------------------------------------------------- the list cores
-    # The same arithmetic as the per-tensor methods above (which the FSDP2 path below uses), in
-    # the same order, over a chunk's lists; the per-tensor scalars (norms, ratios, factors) are
-    # stacked into vectors, so every operation is one op per chunk. Workspace slots (warmup):
-    # 0 sqrt(v)+eps; 1 u; 3 fp32 copies of low-precision parameters.
+    # Each phase's step over one chunk's lists (hf_onebit.optim.foreach: one op per list, whatever
+    # its length), in two halves. ``_*_directions`` updates the moments and forms the direction
+    # ``u``; it returns ``u`` with the per-tensor scalars the step depends on, stacked into vectors:
+    # ``norms`` and ``maxima``. ``_*_finish`` turns them into the step. Both scalars are of whole
+    # tensors: where a rank holds whole tensors they are already; where it holds FSDP2 shards,
+    # :meth:`_sharded_step` combines them over the replica's ranks between the two halves. ``ok``:
+    # the device flag that masks the step (see masks_non_finite_steps). Workspace slots: 0
+    # sqrt(v)+eps; 1 u (warmup); 3 fp32 copies of low-precision parameters.
 
     def _one(self, device: torch.device) -> torch.Tensor:
         """A 0-dim fp32 1.0 on ``device``, made once (``torch.fmin`` takes no Python scalar)."""
@@ -384,9 +312,10 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         torch._foreach_mul_(u, list(coeffs.unbind()))
         chunk.update_params_(lambda w: torch._foreach_add_(w, u, alpha=-lr), slot=3)
 
-    def _warmup_chunk(self, chunk: Chunk, ok: torch.Tensor | None) -> None:
-        """LAMB on the averaged gradient (:meth:`_warmup_direction` and :meth:`_warmup_finish`
-        over lists). ``ok``: the device flag that masks the step (see :meth:`step`)."""
+    def _warmup_directions(self, chunk: Chunk, ok: torch.Tensor | None, keep: bool = False):
+        """Adam's moments on the averaged gradient, then ``u = m/(sqrt(v)+eps) + wd·p``
+        (``m̂/(sqrt(v̂)+eps) + wd·p`` with bias correction); norms ``(‖p‖, ‖u‖)``, no maxima.
+        ``keep``: ``u`` in memory of its own, not in the workspace slot the next chunk reuses."""
         group = chunk.group
         grads = chunk.grads  # sanitized by chunks() on a masked step
         beta1, beta2 = group["betas"]
@@ -396,21 +325,30 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         torch._foreach_mul_(v, masked_factor(beta2, ok))
         torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
         pf = self._fp32_params(chunk)
-        root, u = chunk.scratch(0), chunk.scratch(1)
+        root = chunk.scratch(0)
         bc = self._corrections(group)
         torch._foreach_copy_(root, v)
         torch._foreach_sqrt_(root)
         if bc is not None:
             torch._foreach_mul_(root, bc[1])
         torch._foreach_add_(root, group["eps"])
-        torch._foreach_copy_(u, m)
-        torch._foreach_div_(u, root)  # u = m / (sqrt(v) + eps)
+        if keep:
+            u = list(torch._foreach_div(m, root))
+        else:
+            u = chunk.scratch(1)
+            torch._foreach_copy_(u, m)
+            torch._foreach_div_(u, root)  # u = m / (sqrt(v) + eps)
         if bc is not None:
             torch._foreach_mul_(u, bc[0])  # u = m̂ / (sqrt(v̂) + eps)
         if group["weight_decay"]:
             torch._foreach_add_(u, pf, alpha=group["weight_decay"])
-        w_norm = torch.stack(torch._foreach_norm(pf))
-        u_norm = torch.stack(torch._foreach_norm(u))
+        return u, (torch.stack(torch._foreach_norm(pf)), torch.stack(torch._foreach_norm(u))), ()
+
+    def _warmup_finish(self, chunk: Chunk, u: list[torch.Tensor], norms, maxima, ok: torch.Tensor | None) -> None:
+        """The trust ratio ``c = clip(‖p‖/‖u‖)`` (1 unless both norms are positive), its average
+        ``c_frozen`` (over the steps with ``c != 1``), the step ``p -= lr·c·u``."""
+        group = chunk.group
+        w_norm, u_norm = norms
         ratio = (w_norm / u_norm).clamp_(group["min_coeff"], group["max_coeff"])
         c = torch.where(torch.minimum(w_norm, u_norm) > 0, ratio, 1.0)  # both norms > 0 (3 ops, not 5)
         cb = group["coeff_beta"]
@@ -425,10 +363,12 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         torch._foreach_copy_(frozen_list, list(new_frozen.unbind()))
         self._apply_updates(chunk, u, c, group["lr"])
 
-    def _compression_chunk(self, chunk: Chunk, synced: bool, ok: torch.Tensor | None) -> None:
-        """The compression step (:meth:`_compression_direction` and :meth:`_compression_finish`
-        over lists). Its temporaries are the results of out-of-place list ops (one op each, where
-        a workspace copy would add one). ``ok``: the device flag that masks the step."""
+    def _compression_directions(self, chunk: Chunk, ok: torch.Tensor | None, keep: bool = False, *, synced: bool):
+        """The momentum and the fresh variance, then ``u = m/(sqrt(v)+eps) + wd·p`` (corrected
+        moments with bias correction, the adaptive share bounded by ``update_clip``); maxima: the
+        factor ``max((sqrt(v)+eps)/(sqrt(v_fresh)+eps))``; norms: ``u``'s before and after weight
+        decay (none without it). ``u`` and the temporaries are results of out-of-place list ops (one
+        op each, where a workspace copy would add one), so ``u`` is its own whatever ``keep`` says."""
         group = chunk.group
         grads = chunk.grads  # sanitized by chunks() on a masked step
         beta1, beta2 = group["betas"]
@@ -468,17 +408,26 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             torch._foreach_mul_(fresh, bc[2])
         denom = torch._foreach_add(root, eps)  # sqrt(v) + eps
         torch._foreach_add_(fresh, eps)
-        factor = torch.stack(torch._foreach_max(torch._foreach_div(denom, fresh)))
+        factor = _maxima(torch._foreach_div(denom, fresh))
         if self.update_clip is not None:  # |m/denom| <= update_clip
             clip_roots_(root, m, self.update_clip)
             torch._foreach_add_(root, eps)
             denom = root
         u = torch._foreach_div(m, denom)
-        if wd:
-            decayed = torch._foreach_add(u, self._fp32_params(chunk), alpha=wd)
-            norms = torch._foreach_norm(u + decayed)  # both lists' norms in one op
-            prelim_norm, u_norm = torch.stack(norms[: len(u)]), torch.stack(norms[len(u):])
-            u = decayed
+        if not wd:
+            return u, (), (factor,)
+        decayed = torch._foreach_add(u, self._fp32_params(chunk), alpha=wd)
+        norms = torch._foreach_norm(u + decayed)  # both lists' norms in one op
+        return decayed, (torch.stack(norms[: len(u)]), torch.stack(norms[len(u):])), (factor,)
+
+    def _compression_finish(self, chunk: Chunk, u: list[torch.Tensor], norms, maxima,
+                            ok: torch.Tensor | None) -> None:
+        """The factor (weight decay's share, the bounds, the threshold against the last one),
+        the step ``p -= lr·c_frozen·f·u``."""
+        group = chunk.group
+        (factor,) = maxima
+        if norms:  # weight decay: f ← ρ·f + 1 − ρ with ρ = min(1, ‖u before decay‖/‖u‖)
+            prelim_norm, u_norm = norms
             # min(prelim/u_norm, 1), and 1 where u_norm = 0: x/0 is inf or NaN, which fmin maps to 1
             rho = torch.fmin(prelim_norm / u_norm, self._one(u_norm.device))
             factor = rho * factor + (1 - rho)
@@ -493,35 +442,19 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         torch._foreach_copy_(last_list, list(factor.unbind()))
         self._apply_updates(chunk, u, coeffs, group["lr"])
 
-    def _sharded_step(self, compress: bool, synced: bool) -> None:
+    def _sharded_step(self, directions, finish, ok: torch.Tensor | None) -> None:
         """FSDP2 with shards (:mod:`hf_onebit.hook.fsdp`): each rank holds a shard of every tensor,
-        so the norms and the factor's maximum are of the whole tensor: every parameter's
-        direction first, then one sum and one maximum over the replica's ranks, then the steps.
-        Holds every direction ``u`` at once (one extra copy of the rank's shards)."""
+        so a whole tensor's norm is the root of the sum of its shards' squared norms, and its
+        maximum the maximum of theirs. Every chunk's directions first, then one sum and one
+        maximum over the replica's ranks for all of them, then the steps: holds every ``u`` at
+        once (one extra copy of the rank's shards). The vectors line up on every rank: chunks()
+        keeps parameter order, and empty shards take part (norm 0; maximum 0, see :func:`_maxima`)."""
         link = self.link
-        pending = []
-        for p, grad, state, group in self.grads_in_order(self._init_state):
-            if compress:
-                u, factor, prelim, u_norm = self._compression_direction(p, grad, state, group, synced, keep=True)
-                pending.append((p, state, group, u, factor, prelim, u_norm))
-            else:
-                pf, u = self._warmup_direction(p, grad, state, group)
-                pending.append((p, state, group, u, _norm(pf), _norm(u)))
-        if not pending:
-            return
-        if compress:
-            decays = [x for x in pending if x[2]["weight_decay"]]
-            factors = link.max_over_shards(torch.stack([x[4] for x in pending]))
-            squares = link.sum_over_shards(torch.stack([n for x in decays for n in x[5:7]] or
-                                                       [torch.zeros((), device=factors.device)]) ** 2).sqrt()
-            norms = {id(x[0]): (squares[2 * i], squares[2 * i + 1]) for i, x in enumerate(decays)}
-            for (p, state, group, u, _, _, _), factor in zip(pending, factors):
-                prelim, u_norm = norms.get(id(p), (None, None))
-                self._compression_finish(p, u, factor, prelim, u_norm, state, group)
-        else:
-            norms = link.sum_over_shards(torch.stack([n for x in pending for n in x[4:6]]) ** 2).sqrt()
-            for i, (p, state, group, u, _, _) in enumerate(pending):
-                self._warmup_finish(p, u, norms[2 * i], norms[2 * i + 1], state, group)
+        parts = [(chunk, *directions(chunk, ok, keep=True)) for chunk in chunks(self, self._init_state, ok=ok)]
+        norms = _reduced([n for _, _, ns, _ in parts for n in ns], lambda t: link.sum_over_shards(t**2).sqrt())
+        maxima = _reduced([x for _, _, _, xs in parts for x in xs], link.max_over_shards)
+        for chunk, u, ns, xs in parts:
+            finish(chunk, u, [next(norms) for _ in ns], [next(maxima) for _ in xs], ok)
 
     def _freeze(self) -> None:
         """End of step ``freeze_step``: ``v_fresh = v``, momentum scaling ratios, masks.
@@ -554,9 +487,9 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             self.state[p]["scaling"].copy_(torch.where(torch.isfinite(ratio) & (ratio > 0), ratio, 1.0))
         self.freeze_masks()
 
-    #: A step whose gradients are not all finite leaves every state tensor as it was, when it runs
-    #: on the list cores (not on FSDP2's shards, which check on the host; see
-    #: :func:`~hf_onebit.optim.guards.check_finite_grads`, which then needs no host sync on a GPU).
+    #: A step whose gradients are not all finite leaves every state tensor as it was (``ok`` in the
+    #: list cores). On FSDP2's shards the check is on the host (see
+    #: :func:`~hf_onebit.optim.guards.check_finite_grads`), so there ``ok`` is ``None``.
     masks_non_finite_steps = True
 
     @torch.no_grad()
@@ -564,14 +497,16 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         loss, t, plan = self.begin_step(closure)
         compress = plan is Plan.COMPRESS_MOMENTUM
         synced = self.check_synced(t) if plan is not Plan.ALLREDUCE else False  # b-bit warmups need the hook too
-        if self.link is not None and self.link.sharded:
-            self._sharded_step(compress, synced)
+        ok = self.finite_ok  # a device flag: mask this step with it (None: nothing to mask)
+        if compress:
+            directions, finish = partial(self._compression_directions, synced=synced), self._compression_finish
         else:
-            for chunk in chunks(self, self._init_state, skip_empty=True, ok=self.finite_ok):
-                if compress:
-                    self._compression_chunk(chunk, synced, self.finite_ok)
-                else:
-                    self._warmup_chunk(chunk, self.finite_ok)
+            directions, finish = self._warmup_directions, self._warmup_finish
+        if self.link is not None and self.link.sharded:
+            self._sharded_step(directions, finish, ok)
+        else:  # whole tensors: their norms and maxima are the chunk's own
+            for chunk in chunks(self, self._init_state, skip_empty=True, ok=ok):
+                finish(chunk, *directions(chunk, ok), ok)
         if not compress:
             self.observe_variance(t, t)  # an automatic freeze may choose this step
         if t == self.freeze_step:

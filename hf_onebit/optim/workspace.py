@@ -9,12 +9,12 @@ in. On CUDA the caching allocator already reuses blocks; there a workspace keeps
 memory, only for longer.
 
 A :class:`Workspace` holds a few flat fp32 buffers per device ("slots"), each grown to the
-largest request it has served. ``get(slot, like)`` returns a contiguous fp32 view shaped like
-``like``; ``views(slot, tensors)`` returns one such view per tensor of a list, side by side in
-the slot's buffer, for the ``torch._foreach_*`` cores (:mod:`hf_onebit.optim.foreach`). The views
-of a list are made once and kept (keyed by the shapes): cutting a buffer into views is one aten
-op per tensor, which a step must not pay every time. The caller owns the slot until it asks for
-the same slot again: slots are the names of the temporaries of one update, not a memory pool.
+largest request it has served. ``views(slot, tensors)`` returns a contiguous fp32 view shaped
+like each tensor of a list, side by side in the slot's buffer, for the ``torch._foreach_*``
+cores (:mod:`hf_onebit.optim.foreach`). The views of a list are made once and kept (keyed by
+the shapes): cutting a buffer into views is one aten op per tensor, which a step must not pay
+every time. The caller owns the slot until it asks for the same slot again: slots are the
+names of the temporaries of one update, not a memory pool.
 """
 
 from __future__ import annotations
@@ -37,11 +37,6 @@ class Workspace:
             # views cut from the old buffer would outlive it: forget this slot's
             self._views = {k: v for k, v in self._views.items() if k[:2] != key}
         return buf
-
-    def get(self, slot: int, like: torch.Tensor) -> torch.Tensor:
-        """A contiguous fp32 tensor of ``like``'s shape on its device (contents undefined)."""
-        n = like.numel()
-        return self._buffer(like.device, slot, n)[:n].view(like.shape)
 
     def views(self, slot: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
         """Contiguous fp32 tensors shaped like each of ``like`` (all on one device), side by
