@@ -56,6 +56,17 @@ worker votes and the node for node votes, so resumes, rebuilt buckets and retrie
 the same numbers with no generator state to save. ``u < (1+z)/2`` with ``u`` a multiple of
 ``2**-24`` is unbiased up to ``2**-24``.
 
+Stratified votes (``stratified_votes=True``, the library default): the ``n`` ranks whose votes
+are averaged draw ``u`` from one shared stream and vote with ``u_i = frac(u + i/n)``. Each
+``u_i`` is uniform on ``[0, 1)``, so each vote stays unbiased, ``E[q_i] = z_i``; but the ``u_i``
+lie one in each interval ``[j/n, (j+1)/n)``. Where the ranks agree on ``z`` (a shared trend, or
+a coordinate with no gradient anywhere), exactly ``⌊n(1+z)/2⌋`` or ``⌈n(1+z)/2⌉`` of them vote
+``+1``: ``q̄`` is ``z`` rounded at random to a neighbouring multiple of ``2/n``, with variance at
+most ``1/n²`` instead of ``(1 - z²)/n``, and a coordinate with ``z = 0`` everywhere stays still
+at even ``n`` instead of walking. Nothing more is sent; the streams are named as above
+(:data:`~hf_onebit.optim.vote_streams.STRATIFIED_STREAM`). By node the node's ranks share a
+stream (offsets ``j/k``), and so do the nodes' votes (offsets ``node/M``).
+
 Non-finite gradients and skipped steps
 --------------------------------------
 Each rank prefixes its bits with an fp32 flag, NaN if its new ``b`` is not finite (a
@@ -93,11 +104,11 @@ import torch
 from hf_onebit.comm.allreduce import finite_flag
 from hf_onebit.comm.vote import VoteAllGather
 from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
-from hf_onebit.optim.defaults import check_preset
-from hf_onebit.optim.validation import check_betas
+from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve
+from hf_onebit.optim.validation import check_betas, check_bool
 from hf_onebit.optim.vote_core import VoteLayout, vote_threshold_, vote_update_foreach_  # noqa: F401 (vote_threshold_: API)
 from hf_onebit.optim.vote_state import VoteMomenta
-from hf_onebit.optim.vote_streams import MASK64, NODE_STREAM, VoteStream
+from hf_onebit.optim.vote_streams import MASK64, NODE_STREAM, STRATIFIED_STREAM, VoteStream
 
 
 class BinSGDM(VoteMomenta, OneBitOptimizer):
@@ -117,12 +128,16 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         seed: seed of the random votes (together with the rank, the node, the step and the
             parameter index, see the module docstring). Saved in ``state_dict()`` and restored
             from it, so a resumed run continues the same random streams.
+        stratified_votes: ``True`` (library default): the ranks whose votes are averaged draw
+            from one stream, each shifted by its place, ``u_i = frac(u + i/n)`` (stratified
+            sampling, see the module docstring): each vote stays unbiased and their mean varies
+            less; ``False`` (the paper): independent streams.
         check_finite: without a loss scaler, refuse a non-finite gradient (``FloatingPointError``);
             no parameter, ``m`` or ``b`` changes. CPU tensors are checked before the step; on a
             GPU the step is masked on the device and the error comes at the next ``step()``, with
             no host sync (see ``optim.guards.check_finite_grads``).
         defaults: ``"library"`` or ``"paper"``, as for the other optimizers
-            (:mod:`hf_onebit.optim.defaults`); BinSGDM's library defaults are the paper's.
+            (:mod:`hf_onebit.optim.defaults`); ``"paper"`` draws independent votes.
     """
 
     imports_adam_state = False  # its m, b are not Adam's moments
@@ -137,10 +152,12 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         weight_decay: float = 0.0,
         hierarchical: bool | None = None,
         seed: int = 0,
+        stratified_votes: bool = LIBRARY_DEFAULT,
         check_finite: bool = True,
         defaults: str = "library",
     ) -> None:
-        check_preset(defaults)  # accepted by every optimizer; BinSGDM has no warmup to change
+        (stratified_votes,) = resolve("BinSGDM", defaults, stratified_votes=stratified_votes).values()
+        check_bool(stratified_votes, "BinSGDM: stratified_votes")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) <= MASK64:
             raise ValueError(f"BinSGDM: seed must be an integer in [0, 2**64), got {seed!r}")
         defaults = dict(lr=lr, beta=beta, eps=eps, weight_decay=weight_decay)
@@ -148,6 +165,7 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         defaults = {name: float(value) for name, value in defaults.items()}
         super().__init__(params, defaults, check_finite=check_finite, hierarchical=hierarchical)
         self.seed = int(seed)
+        self.stratified_votes = stratified_votes
         self._vote: VoteAllGather | None = None  # made at the first vote (attach sets the group)
         self._streams: dict[int, VoteStream] = {}
         self.init_vote_momenta()
@@ -190,6 +208,22 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
                 logger.info("hf_onebit BinSGDM: hierarchical votes, %d nodes of %d ranks", nodes.nodes, nodes.local_size)
         return self._vote
 
+    def _draw_worker_votes(self, layout: VoteLayout, t: int, topology) -> None:
+        """This rank's votes of step ``t``, ``u < (1+z)/2``, into ``layout.votes_n``. Stratified,
+        the ranks averaged together (the world, or the node of ``topology``) share one stream."""
+        if not self.stratified_votes:
+            layout.draw(self._stream(self.rank), t)
+        elif topology is None:
+            self._draw(layout, t, STRATIFIED_STREAM, self.rank, self.world_size)
+        else:
+            self._draw(layout, t, STRATIFIED_STREAM + topology.node, topology.local_rank, topology.local_size)
+        torch.lt(layout.uniform, layout.theta_n, out=layout.votes_n)
+
+    def _draw(self, layout: VoteLayout, t: int, stream: int, place: int, size: int) -> None:
+        """Stratified uniforms: the shared stream's ``u`` shifted to ``frac(u + place/size)``."""
+        layout.draw(self._stream(stream), t)
+        layout.uniform.add_(place / size).frac_()
+
     def _stream(self, stream: int) -> VoteStream:
         s = self._streams.get(stream)
         if s is None or s.seed != self.seed:
@@ -226,10 +260,13 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
             g32.mul_(torch.reciprocal(scale_t.to(torch.float64)))
         layout.threshold(g32)
         all_finite = finite_flag(layout.nxt.b)  # NaN/inf gradient (or corrupted state) on this rank
-        layout.draw(self._stream(self.rank), t)
-        torch.lt(layout.uniform, layout.theta_n, out=layout.votes_n)
+        self._draw_worker_votes(layout, t, vote.topology)
         if vote.hierarchical:  # the node's draws (the worker votes are taken: reuse the buffer)
-            layout.draw(self._stream(NODE_STREAM + vote.topology.node), t)
+            topo = vote.topology
+            if self.stratified_votes:
+                self._draw(layout, t, STRATIFIED_STREAM + NODE_STREAM, topo.node, topo.nodes)
+            else:
+                layout.draw(self._stream(NODE_STREAM + topo.node), t)
         qbar, valid = vote(layout.votes, all_finite, layout.numel, node_uniform=layout.uniform, scratch=layout.theta)
         qbar.masked_fill_(~valid, float("nan"))
         link.note_attempt(t, call.attempt, valid)  # a repeat of step t is admitted only after a NaN vote
@@ -328,8 +365,7 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
             scratch = layout.ensure_scratch()
             torch._foreach_copy_(layout.scratch_views, [g for _, _, g in ents])  # fp32, flat
             layout.threshold(scratch)
-            layout.draw(self._stream(self.rank), t)
-            torch.lt(layout.uniform, layout.theta_n, out=layout.votes_n)
+            self._draw_worker_votes(layout, t, None)
             scratch.fill_(-1.0).masked_fill_(layout.votes_n, 1.0)  # q = ±1, into the gradients' copy
             qs.update((id(p), q) for p, q in zip(params, layout.scratch_views))
             layout.pending_t = t

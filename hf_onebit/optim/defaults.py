@@ -86,6 +86,7 @@ LIBRARY: dict[str, dict] = {
     "OneBitLamb": dict(freeze_step="auto", bias_correction=True, **_ADAM_LIKE),
     "ZeroOneAdam": dict(var_freeze_step="auto", clip_synced_momentum=False, var_update_scaler=None,
                         momentum_correction=True, **_ADAM_LIKE),
+    "BinSGDM": dict(stratified_votes=True),
 }
 
 #: the papers' values of the same arguments
@@ -94,6 +95,7 @@ PAPER: dict[str, dict] = {
     "OneBitLamb": dict(freeze_step=100000, bias_correction=False, **_PAPER_ADAM_LIKE),
     "ZeroOneAdam": dict(var_freeze_step=100000, clip_synced_momentum=True, var_update_scaler=16,
                         momentum_correction=False, **_PAPER_ADAM_LIKE),
+    "BinSGDM": dict(stratified_votes=False),
 }
 
 
@@ -111,5 +113,5 @@ def resolve(optimizer: str, defaults: str, **given) -> dict:
 
 
 def library_arguments(optimizer: str) -> dict:
-    """:data:`LIBRARY`'s arguments of the optimizer class named ``optimizer`` (empty for BinSGDM)."""
+    """:data:`LIBRARY`'s arguments of the optimizer class named ``optimizer``."""
     return dict(LIBRARY.get(optimizer, {}))

@@ -17,6 +17,9 @@ import numpy as np
 import torch
 
 NODE_STREAM = 1 << 32  # node streams: 2**32 + node (worker streams are the rank)
+#: stratified votes (BinSGDM's ``stratified_votes``): worker votes 2**33 + node (0 when flat), node votes
+#: 2**33 + 2**32, each stream shared by the ranks (nodes) whose votes are averaged together
+STRATIFIED_STREAM = 1 << 33
 MASK64 = (1 << 64) - 1
 
 

@@ -490,7 +490,7 @@ def test_mixed_layouts_match_the_simulation(name, property_runs):
     else:
         from tests.optim.test_binsgdm import VoteSimulation
 
-        sim = VoteSimulation(init, 2, kwargs["lr"], 0.9, 1e-8, kwargs["weight_decay"], 0)
+        sim = VoteSimulation(init, 2, kwargs["lr"], 0.9, 1e-8, kwargs["weight_decay"], 0, stratified=False)  # the paper's
     for step in range(1, PROPERTY_STEPS + 1):
         grads = [[g.numpy() for g in role_grads(step, r, MIXED_ORDER)] for r in range(2)]
         expected = sim.step(grads) if name == "OneBitAdam" else [p.copy() for p in (sim.step(grads), sim.p)[1]]
