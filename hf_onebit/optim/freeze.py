@@ -51,6 +51,10 @@ import torch
 
 logger = logging.getLogger("hf_onebit")
 
+#: the fewest variance updates :meth:`AutoFreeze.for_run` lets a run freeze after, where its 40%
+#: bound allows (see there)
+MIN_UPDATES = 20
+
 
 @dataclass
 class AutoFreeze:
@@ -106,17 +110,22 @@ class AutoFreeze:
 
     @classmethod
     def for_run(cls, total_steps: int) -> "AutoFreeze":
-        """Bounds for a run of known length: freeze within [10%, 40%] of it, checks every 4%.
+        """Bounds for a run of known length: freeze within [10%, 40%] of it, but not before
+        :data:`MIN_UPDATES` steps where 40% allows; checks every 4%.
 
         The window scales with the run, so a long run compares estimates far enough apart to see
-        a slow trend. 10% at least: fine-tuning runs measured here (docs/algorithms.md,
-        "Automatic freeze") were still in their initial transient before it. 40% at most bounds the
-        price of a late freeze: the whole run then sends ``1 / (f + (1 - f)/32)`` = 2.4x fewer
-        bytes than an fp32 all-reduce at ``f`` = 40%, 4.4x at 20%.
+        a slow trend. 10% at least: before it fine-tuning is still in its initial transient
+        (docs/algorithms.md, "Automatic freeze"). In a short run 10% is also too few squared
+        gradients for a variance that is then used for the rest of the run: after ``k`` of them
+        ``v̂`` is about their plain mean, whose per-coordinate relative error is ``sqrt(2/k)``
+        for Gaussian gradients (45% at ``k`` = 10, 32% at 20), and every later step's size
+        inherits it. 40% at most bounds the price of a late freeze: the whole run then sends
+        ``1 / (f + (1 - f)/32)`` = 2.4x fewer bytes than an fp32 all-reduce at ``f`` = 40%, 4.4x
+        at 20% (full-precision warmup; 8-bit warmups send 4x fewer).
         """
         total = max(1, int(total_steps))
-        lo = max(1, round(0.10 * total))
-        hi = max(lo, round(0.40 * total))
+        hi = max(1, round(0.40 * total))
+        lo = min(hi, max(MIN_UPDATES, round(0.10 * total)))
         return cls(min_step=lo, max_step=hi, window=max(1, round(0.04 * total)))
 
     def fit_to_run(self, total_steps: int) -> bool:

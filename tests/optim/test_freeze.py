@@ -148,6 +148,9 @@ def test_for_run_bounds():
     assert (rule.min_step, rule.max_step, rule.window) == (108, 432, 43)
     rule = AutoFreeze.for_run(3)
     assert 1 <= rule.min_step <= rule.max_step <= 3
+    # short runs: not before 20 variance updates where 40% of the run allows
+    assert [(AutoFreeze.for_run(n).min_step, AutoFreeze.for_run(n).max_step) for n in (40, 60, 100, 300)] == [
+        (16, 16), (20, 24), (20, 40), (30, 120)]
     plain = AutoFreeze()
     assert plain.fit_to_run(240) and (plain.min_step, plain.max_step, plain.window) == (24, 96, 10)
     chosen_bounds = AutoFreeze(min_step=5, window=3)
