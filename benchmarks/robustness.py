@@ -378,12 +378,18 @@ def gaps(runs: list[dict], metric: str) -> list[dict]:
     return out
 
 
+def task_name(meta: dict) -> str:
+    """The task and, where it is not the task's first, the dataset: ``minilm``, ``minilm-tweets``."""
+    dataset = meta.get("dataset")
+    return meta["task"] if dataset in (None, "rotten_tomatoes") or meta["task"] == "lm" else f"{meta['task']}-{dataset}"
+
+
 def merged(results: list[dict]) -> list[dict]:
     """One result per task, a later file's run replacing an earlier one of the same cell (a re-run
     of one method after a change of its defaults)."""
     by_task: dict[str, dict] = {}
     for res in results:
-        task = by_task.setdefault(res["meta"]["task"], dict(meta=res["meta"], runs={}))
+        task = by_task.setdefault(task_name(res["meta"]), dict(meta=res["meta"], runs={}))
         for r in res["runs"]:
             task["runs"][(r["method"], r["lr_mult"], r["steps"], r["world"], r["seed"], r["freeze"])] = r
     return [dict(meta=t["meta"], runs=list(t["runs"].values())) for t in by_task.values()]
@@ -395,7 +401,7 @@ def summarize(results: list[dict]) -> dict:
     for res in merged(results):
         metric = res["meta"]["metric"]
         for g in gaps(res["runs"], metric):
-            key = (res["meta"]["task"], g["method"], g["freeze"], g["lr_mult"], g["steps"], g["world"])
+            key = (task_name(res["meta"]), g["method"], g["freeze"], g["lr_mult"], g["steps"], g["world"])
             cells.setdefault(key, []).append(g["gap"])
     table = {k: (statistics.fmean(v), len(v)) for k, v in cells.items()}
     worst = {}
@@ -407,10 +413,10 @@ def summarize(results: list[dict]) -> dict:
 
 def print_report(results: list[dict]) -> None:
     s = summarize(results)
-    units = {r["meta"]["task"]: ("points" if r["meta"]["metric"] == "accuracy" else "% loss") for r in results}
+    units = {task_name(r["meta"]): ("points" if r["meta"]["metric"] == "accuracy" else "% loss") for r in results}
     print("worst gap to the method's own uncompressed baseline (positive: worse), mean over seeds:")
     for (task, method), (gap, (freeze, mult, steps, world), n) in sorted(s["worst"].items()):
-        print(f"  {task:<7} {LABELS[method]:<11} {gap:+7.2f} {units[task]:<7} at lr x{mult:g}, {steps} steps,"
+        print(f"  {task:<13} {LABELS[method]:<11} {gap:+7.2f} {units[task]:<7} at lr x{mult:g}, {steps} steps,"
               f" {world} ranks, freeze {freeze} ({n} seed{'s' if n > 1 else ''})")
 
 
@@ -430,7 +436,7 @@ def plot(results: list[dict], path: Path) -> None:
     for row, task in enumerate(tasks):
         mults = sorted({k[3] for k in s if k[0] == task})
         cols = sorted({(k[4], k[5]) for k in s if k[0] == task})
-        limit = 2.0 if task == "lm" else 1.0
+        limit = 2.0 if task.startswith("lm") else 1.0
         for ax in axes[row, len(panels[task]):]:
             ax.axis("off")
         for ax, (method, freeze) in zip(axes[row], panels[task]):
