@@ -471,6 +471,9 @@ def main(argv=None) -> None:
     p.add_argument("--optim-args", type=json.loads, default=None, metavar="JSON",
                    help='keyword arguments for the compressed methods, e.g. \'{"update_clip": null}\' (an experiment)')
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--no-baselines", action="store_true",
+                   help="run only the methods (a re-run after a change of their defaults; --report pairs them"
+                        " with the baselines of earlier files)")
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON")
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
@@ -483,7 +486,7 @@ def main(argv=None) -> None:
         for w in args.world_sizes:
             if TASKS[args.task]["global_batch"] % w:
                 p.error(f"--world-sizes: {w} does not divide the task's global batch {TASKS[args.task]['global_batch']}")
-        args.baselines = baselines_of(args.methods)
+        args.baselines = [] if args.no_baselines else baselines_of(args.methods)
         t0 = time.time()
         runs = run_grid(args)
         meta = dict(task=args.task, dataset=args.dataset, metric=TASKS[args.task]["metric"], argv=sys.argv[1:],

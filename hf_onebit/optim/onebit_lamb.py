@@ -21,6 +21,12 @@ from hf_onebit.optim.update_clip import check_update_clip, clip_roots_
 from hf_onebit.optim.validation import check_bool, check_warmup_bits
 
 
+def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, group: dict) -> torch.Tensor:
+    """LAMB's ``clip(‖p‖/‖u‖, min_coeff, max_coeff)`` per tensor, 1 unless both norms are positive."""
+    ratio = (w_norm / u_norm).clamp_(group["min_coeff"], group["max_coeff"])
+    return torch.where(torch.minimum(w_norm, u_norm) > 0, ratio, 1.0)  # both norms > 0 (3 ops, not 5)
+
+
 def _maxima(xs: list[torch.Tensor]) -> torch.Tensor:
     """Each tensor's maximum, stacked; 0 for an empty one (an FSDP2 shard with no elements has
     no ratio: 0 leaves the maximum over the other shards, whose ratios are positive)."""
@@ -140,6 +146,16 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             (``v̂`` frozen at the freeze step; the fresh variance corrected at ``t``), and start the
             trust-ratio average at the first ratio instead of 0. Default ``True``
             (``defaults="paper"``: ``False``, the spec's uncorrected arithmetic).
+        fresh_trust_ratio: after the freeze, step with LAMB's own trust ratio of the exchanged
+            update, ``clip(‖p‖/‖u‖, min_coeff, max_coeff)``, instead of the frozen average times
+            the factor ``f``. Every rank holds the same exchanged momentum, so the ratio is the
+            same everywhere and costs no communication (on FSDP2 shards, the norms' sum over the
+            replica, as in the warmup). Why: the 1-bit momentum gives every coordinate the
+            magnitude of its piece's scale, so ``‖m/sqrt(v)‖`` is several times LAMB's and a
+            ratio calibrated on the warmup's ``u`` lets every tensor move several times
+            ``lr·‖p‖`` per step (``benchmarks/robustness.py``, 240 steps); LAMB's ratio keeps the
+            step at ``lr·‖p‖``, and ``f`` (which corrects the frozen variance's scale, a factor
+            the ratio cancels) is not needed. Default ``True`` (``defaults="paper"``: ``False``).
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
             that is left out takes its measured value; ``"paper"``: the spec's value instead.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
@@ -167,19 +183,22 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         hierarchical: bool | None = False,
         warmup_bits: int | None = LIBRARY_DEFAULT,
         bias_correction: bool = LIBRARY_DEFAULT,
+        fresh_trust_ratio: bool = LIBRARY_DEFAULT,
         defaults: str = "library",
         total_steps: int | None = None,
     ) -> None:
         # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
-        freeze_step, scale_per_tensor, update_clip, warmup_bits, bias_correction = resolve_defaults(
+        freeze_step, scale_per_tensor, update_clip, warmup_bits, bias_correction, fresh_trust_ratio = resolve_defaults(
             "OneBitLamb", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip,
-            warmup_bits=warmup_bits, bias_correction=bias_correction,
+            warmup_bits=warmup_bits, bias_correction=bias_correction, fresh_trust_ratio=fresh_trust_ratio,
         ).values()
         self.init_freeze(freeze_step, "freeze_step", total_steps)
         self.update_clip = check_update_clip(update_clip)
         self.warmup_bits = check_warmup_bits(warmup_bits)
         check_bool(bias_correction, "bias_correction")
         self.bias_correction = bias_correction
+        check_bool(fresh_trust_ratio, "fresh_trust_ratio")
+        self.fresh_trust_ratio = fresh_trust_ratio
         group_defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, Sequence) else betas, eps=eps,
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
@@ -348,9 +367,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         """The trust ratio ``c = clip(‖p‖/‖u‖)`` (1 unless both norms are positive), its average
         ``c_frozen`` (over the steps with ``c != 1``), the step ``p -= lr·c·u``."""
         group = chunk.group
-        w_norm, u_norm = norms
-        ratio = (w_norm / u_norm).clamp_(group["min_coeff"], group["max_coeff"])
-        c = torch.where(torch.minimum(w_norm, u_norm) > 0, ratio, 1.0)  # both norms > 0 (3 ops, not 5)
+        c = _trust_ratio(*norms, group)
         cb = group["coeff_beta"]
         frozen_list = chunk.state("coeff_frozen")
         frozen = torch.stack(frozen_list)
@@ -384,36 +401,49 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             products = torch._foreach_mul([new_m[i] for i in masked], [chunk.states[i]["mask"] for i in masked])
             for i, product in zip(masked, products):
                 new_m[i] = product
-        g_rec = torch._foreach_sub(new_m, m, alpha=beta1)
-        torch._foreach_div_(g_rec, 1 - beta1)  # (m − β1·m_prev)/(1−β1)
+        with_factor = not self.fresh_trust_ratio  # the fresh variance serves only the factor
+        if with_factor:
+            g_rec = torch._foreach_sub(new_m, m, alpha=beta1)
+            torch._foreach_div_(g_rec, 1 - beta1)  # (m − β1·m_prev)/(1−β1)
         if ok is None:
             torch._foreach_copy_(m, new_m)
-            torch._foreach_mul_(v_fresh, beta2)
+            if with_factor:
+                torch._foreach_mul_(v_fresh, beta2)
         else:  # masked: m and v_fresh keep their values where ok fails (g̃·0 adds 0)
             okf = ok.float()
-            torch._foreach_mul_(g_rec, okf)
+            if with_factor:
+                torch._foreach_mul_(g_rec, okf)
             if synced:  # new_m is the sanitized exchange, zero where ok fails: m·(1-ok) + new_m
                 torch._foreach_mul_(m, 1 - okf)
                 torch._foreach_add_(m, new_m)
             else:
                 select_(m, new_m, ok)
-            torch._foreach_mul_(v_fresh, masked_factor(beta2, ok))
-        torch._foreach_addcmul_(v_fresh, g_rec, g_rec, value=1 - beta2)
+            if with_factor:
+                torch._foreach_mul_(v_fresh, masked_factor(beta2, ok))
+        if with_factor:
+            torch._foreach_addcmul_(v_fresh, g_rec, g_rec, value=1 - beta2)
         bc = self._corrections(group)
         root = torch._foreach_sqrt(v)
-        fresh = torch._foreach_sqrt(v_fresh)
-        if bc is not None:  # m̂, sqrt(v̂), sqrt(v̂_fresh)
+        if bc is not None:  # m̂, sqrt(v̂)
             m = torch._foreach_mul(m, bc[0])
             torch._foreach_mul_(root, bc[1])
-            torch._foreach_mul_(fresh, bc[2])
         denom = torch._foreach_add(root, eps)  # sqrt(v) + eps
-        torch._foreach_add_(fresh, eps)
-        factor = _maxima(torch._foreach_div(denom, fresh))
+        if with_factor:
+            fresh = torch._foreach_sqrt(v_fresh)
+            if bc is not None:  # sqrt(v̂_fresh)
+                torch._foreach_mul_(fresh, bc[2])
+            torch._foreach_add_(fresh, eps)
+            factor = _maxima(torch._foreach_div(denom, fresh))
         if self.update_clip is not None:  # |m/denom| <= update_clip
             clip_roots_(root, m, self.update_clip)
             torch._foreach_add_(root, eps)
             denom = root
         u = torch._foreach_div(m, denom)
+        if not with_factor:  # LAMB's ratio of this u: norms (‖p‖, ‖u‖)
+            pf = self._fp32_params(chunk)
+            if wd:
+                torch._foreach_add_(u, pf, alpha=wd)
+            return u, (torch.stack(torch._foreach_norm(pf)), torch.stack(torch._foreach_norm(u))), ()
         if not wd:
             return u, (), (factor,)
         decayed = torch._foreach_add(u, self._fp32_params(chunk), alpha=wd)
@@ -423,8 +453,12 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     def _compression_finish(self, chunk: Chunk, u: list[torch.Tensor], norms, maxima,
                             ok: torch.Tensor | None) -> None:
         """The factor (weight decay's share, the bounds, the threshold against the last one),
-        the step ``p -= lr·c_frozen·f·u``."""
+        the step ``p -= lr·c_frozen·f·u``; with ``fresh_trust_ratio``, ``p -= lr·clip(‖p‖/‖u‖)·u``."""
         group = chunk.group
+        if self.fresh_trust_ratio:  # LAMB's own ratio of the exchanged update
+            c = _trust_ratio(*norms, group)
+            self._apply_updates(chunk, u, c if ok is None else c * ok.float(), group["lr"])
+            return
         (factor,) = maxima
         if norms:  # weight decay: f ← ρ·f + 1 − ρ with ρ = min(1, ‖u before decay‖/‖u‖)
             prelim_norm, u_norm = norms

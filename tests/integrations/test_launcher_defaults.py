@@ -167,7 +167,7 @@ def _resolved(trainer) -> dict:
     out = {"class": type(opt), "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
            "sizes": [len(g["params"]) for g in opt.param_groups]}
     for attr in ("auto_freeze", "freeze_step", "var_freeze_step", "scale_per_tensor", "update_clip", "warmup_bits",
-                 "clip_synced_momentum", "var_update_scaler", "bias_correction", "momentum_correction", "stratified_votes", "seed"):
+                 "clip_synced_momentum", "var_update_scaler", "bias_correction", "momentum_correction", "stratified_votes", "fresh_trust_ratio", "seed"):
         out[attr] = getattr(opt, attr, None)
     return out
 

@@ -26,7 +26,8 @@ def _resolved(opt, freeze_name):
     auto = opt.auto_freeze
     out = dict(scale_per_tensor=opt.scale_per_tensor, update_clip=opt.update_clip, warmup_bits=opt.warmup_bits,
                **{freeze_name: "auto" if auto is not None else getattr(opt, freeze_name)})
-    for own in ("clip_synced_momentum", "var_update_scaler", "bias_correction", "momentum_correction"):  # 0/1 Adam's; 1-bit LAMB's
+    for own in ("clip_synced_momentum", "var_update_scaler", "bias_correction", "momentum_correction",
+                "fresh_trust_ratio"):  # 0/1 Adam's; 1-bit LAMB's
         if own in presets.LIBRARY[type(opt).__name__]:
             out[own] = getattr(opt, own)
     return out

@@ -49,8 +49,10 @@ class OneBitLambSimulation:
                  freeze_step=100000, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
                  factor_min=0.5, factor_threshold=0.1, auto_mask=True, use_scaling=True,
                  scale_per_tensor=False, update_clip=None, nodes=None, groups=None, warmup_bits=None,
-                 warmup_layouts=None, bias_correction=False):
+                 warmup_layouts=None, bias_correction=False, fresh_trust_ratio=False):
         self.clip = update_clip
+        # hf_onebit's option: after the freeze, LAMB's own ratio clip(‖p‖/‖u‖) of the exchanged update
+        self.fresh_trust_ratio = fresh_trust_ratio
         # hf_onebit's option: LAMB on Adam's bias-corrected moments m̂ = m/(1−β1^t), v̂ = v/(1−β2^t)
         # (v̂ frozen at the freeze step, the fresh variance corrected at t), the trust-ratio
         # average starting at the first ratio instead of 0
@@ -163,6 +165,13 @@ class OneBitLambSimulation:
             prelims[k] = prelim
             u[k] = (prelim + np.float32(wd) * self.p[k]).astype(np.float32)
             fmax[k] = float(np.max(denom / (np.sqrt(v_fresh_hat) + np.float32(eps)), initial=0.0))
+        if self.fresh_trust_ratio:
+            for group in self.groups:
+                wn, un = _group_norm([self.p[k] for k in group]), _group_norm([u[k] for k in group])
+                c = min(max(wn / un, self.min_coeff), self.max_coeff) if wn > 0 and un > 0 else 1.0
+                for k in group:
+                    self.p[k] = (self.p[k] - np.float32(self.lr * c) * u[k]).astype(np.float32)
+            return [x.copy() for x in self.p]
         factors = []
         for group in self.groups:
             f = max(fmax[k] for k in group)
@@ -332,6 +341,26 @@ def test_bias_correction_matches_its_simulation_with_the_update_clip():
     _, uncorrected = _simulate(2, segments, dict(kwargs, bias_correction=False), steps)
     assert any(not np.allclose(a, b, rtol=1e-4) for a, b in zip(uncorrected[-1], expected[-1]))
     assert all(c > 0 for c in sim.c_frozen)
+
+
+def test_fresh_trust_ratio_matches_its_simulation_and_keeps_lambs_step_size():
+    """fresh_trust_ratio=True (the library default): after the freeze each tensor steps by LAMB's
+    own ratio of the exchanged update, so ‖Δp‖ = lr·clip(‖p‖/‖u‖)·‖u‖, lr·‖p‖ where unclipped."""
+    name, kwargs, steps = CONFIGS[0]
+    kwargs = dict(kwargs, scale_per_tensor=True, update_clip=0.5, bias_correction=True, fresh_trust_ratio=True)
+    outs = run_distributed(_train_many, 2, [(kwargs, steps, {})])
+    runs = [o[0] for o in outs]
+    segments = runs[0]["segments"]
+    sim, expected = _simulate(2, segments, kwargs, steps)
+    for step in range(steps):
+        for r in range(2):
+            for got, want in zip(runs[r]["history"][step], expected[step]):
+                _assert_close(got.numpy(), want)
+    _, frozen = _simulate(2, segments, dict(kwargs, fresh_trust_ratio=False), steps)
+    assert any(not np.allclose(a, b, rtol=1e-4) for a, b in zip(frozen[-1], expected[-1]))
+    # the last (compressed) step of each tensor: ‖Δp‖/(lr·‖p‖) is 1 unless the ratio was clipped
+    rel = [np.linalg.norm(a - b) / (kwargs["lr"] * np.linalg.norm(b)) for a, b in zip(expected[-1], expected[-2])]
+    assert sum(r == pytest.approx(1.0, rel=1e-3) for r in rel) >= len(rel) / 2, rel
 
 
 def test_update_clip_is_validated():
