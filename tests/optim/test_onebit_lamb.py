@@ -324,11 +324,8 @@ def test_update_clip_matches_its_simulation_and_binds():
     assert any(not np.allclose(a, b) for a, b in zip(unclipped[-1], expected[-1]))
 
 
-def test_bias_correction_matches_its_simulation_with_the_update_clip():
-    """bias_correction=True (the library default) with the update clip: LAMB on m̂ and v̂, the
-    clip and the factor on the corrected moments, the trust-ratio average from the first ratio."""
-    name, kwargs, steps = CONFIGS[0]
-    kwargs = dict(kwargs, scale_per_tensor=True, update_clip=0.5, bias_correction=True)
+def _two_ranks_match_the_simulation(kwargs, steps):
+    """Train ``kwargs`` on 2 ranks, check every step against the simulation; ``(segments, sim, expected)``."""
     outs = run_distributed(_train_many, 2, [(kwargs, steps, {})])
     runs = [o[0] for o in outs]
     segments = runs[0]["segments"]
@@ -337,6 +334,14 @@ def test_bias_correction_matches_its_simulation_with_the_update_clip():
         for r in range(2):
             for got, want in zip(runs[r]["history"][step], expected[step]):
                 _assert_close(got.numpy(), want)
+    return segments, sim, expected
+
+
+def test_bias_correction_matches_its_simulation_with_the_update_clip():
+    """bias_correction=True (the library default) with the update clip: LAMB on m̂ and v̂, the
+    clip and the factor on the corrected moments, the trust-ratio average from the first ratio."""
+    kwargs, steps = dict(CONFIGS[0][1], scale_per_tensor=True, update_clip=0.5, bias_correction=True), CONFIGS[0][2]
+    segments, sim, expected = _two_ranks_match_the_simulation(kwargs, steps)
     assert sim.binds["update_clip"] > 0, sim.binds
     _, uncorrected = _simulate(2, segments, dict(kwargs, bias_correction=False), steps)
     assert any(not np.allclose(a, b, rtol=1e-4) for a, b in zip(uncorrected[-1], expected[-1]))
@@ -346,16 +351,9 @@ def test_bias_correction_matches_its_simulation_with_the_update_clip():
 def test_fresh_trust_ratio_matches_its_simulation_and_keeps_lambs_step_size():
     """fresh_trust_ratio=True (the library default): after the freeze each tensor steps by LAMB's
     own ratio of the exchanged update, so ‖Δp‖ = lr·clip(‖p‖/‖u‖)·‖u‖, lr·‖p‖ where unclipped."""
-    name, kwargs, steps = CONFIGS[0]
-    kwargs = dict(kwargs, scale_per_tensor=True, update_clip=0.5, bias_correction=True, fresh_trust_ratio=True)
-    outs = run_distributed(_train_many, 2, [(kwargs, steps, {})])
-    runs = [o[0] for o in outs]
-    segments = runs[0]["segments"]
-    sim, expected = _simulate(2, segments, kwargs, steps)
-    for step in range(steps):
-        for r in range(2):
-            for got, want in zip(runs[r]["history"][step], expected[step]):
-                _assert_close(got.numpy(), want)
+    kwargs = dict(CONFIGS[0][1], scale_per_tensor=True, update_clip=0.5, bias_correction=True, fresh_trust_ratio=True)
+    steps = CONFIGS[0][2]
+    segments, _, expected = _two_ranks_match_the_simulation(kwargs, steps)
     _, frozen = _simulate(2, segments, dict(kwargs, fresh_trust_ratio=False), steps)
     assert any(not np.allclose(a, b, rtol=1e-4) for a, b in zip(frozen[-1], expected[-1]))
     # the last (compressed) step of each tensor: ‖Δp‖/(lr·‖p‖) is 1 unless the ratio was clipped
