@@ -10,7 +10,7 @@ A method is judged against the method it compresses, at the **same** hyperparame
 length, world size, global batch, seed, data order): 1-bit Adam and 0/1 Adam against AdamW, 1-bit
 LAMB against uncompressed LAMB (``OneBitLamb(freeze_step=10**9, warmup_bits=None)``: exact LAMB on
 the averaged gradient, the warmup arithmetic of 1-bit LAMB), BinSGDM against AdamW at BinSGDM's
-own lr and, as "BinSGDM (no vote)", against its own update without the 1-bit vote
+own lr and, as "BinSGDM vs no vote", against its own update without the 1-bit vote
 (``p -= lr·(m/(b + eps) + wd·p)`` on the averaged gradient, :class:`UnvotedBinSGDM`): the first gap
 is the method's, the second what the vote's noise costs. Every hf_onebit optimizer runs at the library's defaults: only ``lr``, ``total_steps``
 and, for the ``0.2`` freeze, the published 20% (``freeze_step`` / ``var_freeze_step``) are given.
@@ -60,7 +60,7 @@ METHODS = list(BASELINE)
 SECOND_BASELINE = {"binsgdm": "unvoted_binsgdm"}
 BASELINES = sorted(set(BASELINE.values()) | set(SECOND_BASELINE.values()))
 LABELS = {"onebit_adam": "1-bit Adam", "zeroone_adam": "0/1 Adam", "onebit_lamb": "1-bit LAMB", "binsgdm": "BinSGDM",
-          "binsgdm_novote": "BinSGDM (no vote)"}
+          "binsgdm_novote": "BinSGDM vs no vote"}
 
 #: per task: the advised lr of each method family, the global batch, the metric
 TASKS = {

@@ -87,7 +87,7 @@ def test_a_tiny_grid_runs_and_reports(tmp_path):
     assert all(0 <= r["score"] <= 100 for r in result["runs"])
     assert result["runs"][3]["compression_ratio"] > 1  # it compressed after its freeze
     assert "1-bit LAMB" in proc.stdout
-    assert "BinSGDM (no vote)" in proc.stdout  # BinSGDM also against its own update without the vote
+    assert "BinSGDM vs no vote" in proc.stdout  # BinSGDM also against its own update without the vote
 
 
 def test_bad_grids_are_refused_before_anything_runs():
