@@ -1,6 +1,6 @@
 """1-bit LAMB (Li et al., 2021): LAMB warmup, then frozen variance and trust ratios, 1-bit momentum.
 
-Spec §4. See :class:`OneBitLamb` for the maths, the phase table and what ``.grad`` holds.
+See :class:`OneBitLamb` for the maths, the phase table and what ``.grad`` holds.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _reduced(vectors: list[torch.Tensor], reduce) -> Iterator[torch.Tensor]:
 
 
 class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
-    r"""1-bit LAMB for DDP (attach it with :func:`hf_onebit.attach`); spec §4.
+    r"""1-bit LAMB for DDP (attach it with :func:`hf_onebit.attach`).
 
     **The maths.** LAMB is Adam with a per-tensor *trust ratio*: parameter tensor ``p`` moves by
     ``lr·c·u`` with ``u = m/(sqrt(v)+eps) + wd·p`` and ``c = clip(‖p‖/‖u‖, min_coeff,
@@ -124,7 +124,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             ``±scale`` from the compressor and, with ``v == 0`` there, steps of size
             ``scale/eps``. :meth:`set_mask` overrides it per parameter.
         hierarchical: ``True``: the exchange by node (:mod:`hf_onebit.comm.hierarchical`: an fp32
-            mean inside each node, spec §1's 1-bit exchange among the node means between nodes),
+            mean inside each node, the 1-bit exchange among the node means between nodes),
             which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
             group to be the whole world; ``None``: by node exactly when those hold; ``False``
             (default): the spec's exchange among all ranks. Full-precision warmups stay flat; b-bit ones go by node too.
@@ -140,7 +140,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             ``scale/sqrt(v)``. The factor ``f`` still compares the unclipped ``sqrt(v)+eps`` with
             ``sqrt(v_fresh)+eps``. Not per group. Default ``1.0`` (``defaults="paper"``: ``None``).
         warmup_bits: how the warmup exchanges the gradient: ``None`` (the spec) at full
-            precision, ``8`` or ``4`` with spec §1b's b-bit exchange and error feedback (see
+            precision, ``8`` or ``4`` with the b-bit exchange and error feedback (see
             :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`).
         bias_correction: run LAMB on Adam's corrected moments ``m̂ = m/(1−β1^t)``, ``v̂ = v/(1−β2^t)``
             (``v̂`` frozen at the freeze step; the fresh variance corrected at ``t``), and start the
