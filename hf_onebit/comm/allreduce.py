@@ -37,6 +37,13 @@ class MeanAllReduce:
         self.stats.record(CommRecord(moved, moved, rounds, fp32, 1, leaving_node(moved, 0, n, k), leaving_node(fp32, 0, n, k)))
         return x
 
+    def record_skipped(self, numel: int) -> None:
+        """Count a buffer of ``numel`` elements not sent where DDP would have all-reduced it in
+        fp32 (0/1 Adam's local steps): nothing sent, its fp32 equivalent kept for the ratios."""
+        fp32 = allreduce_bytes(4 * numel, self.world_size)
+        self.stats.record(CommRecord(fp32_equivalent=fp32,
+                                     inter_node_fp32=leaving_node(fp32, 0, self.world_size, self.local_size)))
+
     def allreduce_async(self, x: torch.Tensor) -> torch.futures.Future:
         return executor_for(self.group, x.device).submit(lambda: self(x))
 

@@ -29,8 +29,7 @@ from hf_onebit.comm.allreduce import finite_flag, poison_unless_all_finite_
 from hf_onebit.comm.failures import with_failure_context
 from hf_onebit.comm.hierarchical import HierarchicalCompressedAllReduce
 from hf_onebit.comm.segments import Segment
-from hf_onebit.comm.stats import CommRecord, allreduce_bytes, leaving_node
-from hf_onebit.comm.topology import NodeTopology, ranks_on_my_node
+from hf_onebit.comm.topology import NodeTopology
 from hf_onebit.hook.buckets import bucket_gradients, compress_bucket
 from hf_onebit.optim import OneBitOptimizer, Plan
 
@@ -99,7 +98,15 @@ class OneBitHookState:
         #: step t whose buckets the hook saw (it communicated for t), and their keys
         self.layout_step: Optional[int] = previous.layout_step if previous is not None else None
         self.layout: list = list(previous.layout) if previous is not None else []
+        self._mean: Optional[MeanAllReduce] = None  # the warmup's fp32 all-reduce, made at its first use
         optimizer.link = self  # the optimizer's one way to the network
+
+    def _mean_allreduce(self) -> MeanAllReduce:
+        """The fp32 mean all-reduce over ``process_group`` (one for every bucket: it reads the node
+        layout once)."""
+        if self._mean is None:
+            self._mean = MeanAllReduce(self.process_group, self.optimizer.comm_stats)
+        return self._mean
 
     # ---------------------------------------------------------------- the optimizer's handle
     @property
@@ -192,16 +199,14 @@ class OneBitHookState:
         call = BucketCall(t, attempt, plan, key, params, buffer, grads, scale)
         if plan in (Plan.LOCAL, Plan.SYNC_AFTER_STEP):
             if plan is Plan.LOCAL:  # nothing sent where DDP would have all-reduced the bucket (a sync counts its own)
-                fp32, n = allreduce_bytes(4 * buffer.numel(), opt.world_size), opt.world_size
-                opt.comm_stats.record(CommRecord(fp32_equivalent=fp32, inter_node_fp32=leaving_node(
-                    fp32, 0, n, ranks_on_my_node(self.process_group))))
+                self._mean_allreduce().record_skipped(buffer.numel())
             if not self.scaled:
                 return _completed(buffer)
             # With a loss scaler, ranks must skip a step together (see poison_unless_all_finite_).
             return self.submit(buffer.device, lambda: self._noted(call, poison_unless_all_finite_(
                 buffer, self.process_group, opt.comm_stats)))
         if plan is Plan.ALLREDUCE:
-            mean = MeanAllReduce(self.process_group, opt.comm_stats)
+            mean = self._mean_allreduce()
             return self.submit(buffer.device, self._with_context(t, plan, lambda: mean(buffer)))
         if plan in (Plan.COMPRESS_MOMENTUM, Plan.COMPRESS_GRADIENT, Plan.QUANTIZE_GRADIENT):
             segments = opt.segments.for_bucket(key, buffer.device)
