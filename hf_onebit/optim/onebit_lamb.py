@@ -402,26 +402,21 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             for i, product in zip(masked, products):
                 new_m[i] = product
         with_factor = not self.fresh_trust_ratio  # the fresh variance serves only the factor
-        if with_factor:
+        okf = None if ok is None else ok.float()
+        if with_factor:  # v_fresh from the gradient rebuilt before m moves; masked: kept where ok fails
             g_rec = torch._foreach_sub(new_m, m, alpha=beta1)
             torch._foreach_div_(g_rec, 1 - beta1)  # (m − β1·m_prev)/(1−β1)
+            if okf is not None:
+                torch._foreach_mul_(g_rec, okf)  # g̃·0 adds 0
+            torch._foreach_mul_(v_fresh, masked_factor(beta2, ok))
+            torch._foreach_addcmul_(v_fresh, g_rec, g_rec, value=1 - beta2)
         if ok is None:
             torch._foreach_copy_(m, new_m)
-            if with_factor:
-                torch._foreach_mul_(v_fresh, beta2)
-        else:  # masked: m and v_fresh keep their values where ok fails (g̃·0 adds 0)
-            okf = ok.float()
-            if with_factor:
-                torch._foreach_mul_(g_rec, okf)
-            if synced:  # new_m is the sanitized exchange, zero where ok fails: m·(1-ok) + new_m
-                torch._foreach_mul_(m, 1 - okf)
-                torch._foreach_add_(m, new_m)
-            else:
-                select_(m, new_m, ok)
-            if with_factor:
-                torch._foreach_mul_(v_fresh, masked_factor(beta2, ok))
-        if with_factor:
-            torch._foreach_addcmul_(v_fresh, g_rec, g_rec, value=1 - beta2)
+        elif synced:  # new_m is the sanitized exchange, zero where ok fails: m·(1-ok) + new_m
+            torch._foreach_mul_(m, 1 - okf)
+            torch._foreach_add_(m, new_m)
+        else:  # masked: m keeps its values where ok fails
+            select_(m, new_m, ok)
         bc = self._corrections(group)
         root = torch._foreach_sqrt(v)
         if bc is not None:  # m̂, sqrt(v̂)
