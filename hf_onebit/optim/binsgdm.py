@@ -209,19 +209,22 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         return self._vote
 
     def _draw_worker_votes(self, layout: VoteLayout, t: int, topology) -> None:
-        """This rank's votes of step ``t``, ``u < (1+z)/2``, into ``layout.votes_n``. Stratified,
-        the ranks averaged together (the world, or the node of ``topology``) share one stream."""
-        if not self.stratified_votes:
-            layout.draw(self._stream(self.rank), t)
-        elif topology is None:
-            self._draw(layout, t, STRATIFIED_STREAM, self.rank, self.world_size)
+        """This rank's votes of step ``t``, ``u < (1+z)/2``, into ``layout.votes_n``; the voters
+        averaged together are the world, or the node of ``topology``."""
+        if topology is None:
+            self._draw(layout, t, self.rank, STRATIFIED_STREAM, self.rank, self.world_size)
         else:
-            self._draw(layout, t, STRATIFIED_STREAM + topology.node, topology.local_rank, topology.local_size)
+            self._draw(layout, t, self.rank, STRATIFIED_STREAM + topology.node, topology.local_rank, topology.local_size)
         torch.lt(layout.uniform, layout.theta_n, out=layout.votes_n)
 
-    def _draw(self, layout: VoteLayout, t: int, stream: int, place: int, size: int) -> None:
-        """Stratified uniforms: the shared stream's ``u`` shifted to ``frac(u + place/size)``."""
-        layout.draw(self._stream(stream), t)
+    def _draw(self, layout: VoteLayout, t: int, own: int, shared: int, place: int, size: int) -> None:
+        """The uniforms of step ``t`` into ``layout.uniform``: from the voter's ``own`` stream, or,
+        stratified, from the stream ``shared`` by the ``size`` voters averaged together, shifted
+        to ``frac(u + place/size)``."""
+        if not self.stratified_votes:
+            layout.draw(self._stream(own), t)
+            return
+        layout.draw(self._stream(shared), t)
         layout.uniform.add_(place / size).frac_()
 
     def _stream(self, stream: int) -> VoteStream:
@@ -263,10 +266,7 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         self._draw_worker_votes(layout, t, vote.topology)
         if vote.hierarchical:  # the node's draws (the worker votes are taken: reuse the buffer)
             topo = vote.topology
-            if self.stratified_votes:
-                self._draw(layout, t, STRATIFIED_STREAM + NODE_STREAM, topo.node, topo.nodes)
-            else:
-                layout.draw(self._stream(NODE_STREAM + topo.node), t)
+            self._draw(layout, t, NODE_STREAM + topo.node, STRATIFIED_STREAM + NODE_STREAM, topo.node, topo.nodes)
         qbar, valid = vote(layout.votes, all_finite, layout.numel, node_uniform=layout.uniform, scratch=layout.theta)
         qbar.masked_fill_(~valid, float("nan"))
         link.note_attempt(t, call.attempt, valid)  # a repeat of step t is admitted only after a NaN vote
