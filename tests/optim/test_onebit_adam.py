@@ -53,8 +53,12 @@ def _assert_follows(sim, outs, steps, world_size):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("bias_correction", [True, False])
-def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_correction, per_tensor=False,
-                                                               update_clip=None):
+def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_correction):
+    _follows_simulation_through_the_freeze(world_size, bias_correction)
+
+
+def _follows_simulation_through_the_freeze(world_size, bias_correction, per_tensor=False, update_clip=None):
+    """Trains 16 steps (freeze at 6) and checks every step against the simulation; returns the runs."""
     steps, freeze = 16, 6
     kwargs = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, freeze_step=freeze,
                   bias_correction=bias_correction, scale_per_tensor=per_tensor, update_clip=update_clip)
@@ -76,7 +80,7 @@ def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_scale_per_tensor_trajectory_matches_piece_simulation(world_size):
-    test_trajectory_matches_spec_simulation_through_the_freeze(world_size, True, per_tensor=True)
+    _follows_simulation_through_the_freeze(world_size, True, per_tensor=True)
 
 
 @pytest.mark.parametrize("nodes,local_size", NODE_LAYOUTS)
@@ -115,7 +119,7 @@ def test_exchange_by_node_matches_its_simulation_through_the_freeze(per_tensor, 
 def test_update_clip_matches_its_simulation_and_bounds_every_step():
     """update_clip=c: after the freeze no coordinate moves by more than c·lr (plus weight decay)."""
     lr, wd, clip, freeze = 1e-2, 0.01, 0.5, 6
-    outs = test_trajectory_matches_spec_simulation_through_the_freeze(2, True, per_tensor=True, update_clip=clip)
+    outs = _follows_simulation_through_the_freeze(2, True, per_tensor=True, update_clip=clip)
     history = outs[0]["history"]
     clipped = 0
     for step in range(freeze + 1, len(history)):
