@@ -21,7 +21,7 @@ import transformers. See ``docs/integrations.md``.
 """
 
 from hf_onebit.checkpoint import load_rank_state, save_rank_state
-from hf_onebit.hook import OneBitHookState, attach, onebit_hook, replica_mesh
+from hf_onebit.hook import OneBitHookState, UnsupportedSetup, attach, onebit_hook, replica_mesh
 from hf_onebit.optim import BinSGDM, OneBitAdam, OneBitLamb, OneBitOptimizer, Plan, ZeroOneAdam
 from hf_onebit.sharded_checkpoint import load_sharded, save_sharded
 
@@ -51,6 +51,7 @@ __all__ = [
     "OneBitTrainer",
     "OneBitTrainingArguments",
     "Plan",
+    "UnsupportedSetup",
     "ZeroOneAdam",
     "attach",
     "load_rank_state",

@@ -39,13 +39,17 @@ order on every rank.
 
 Modules: :mod:`~hf_onebit.hook.state` (the state and the hook function),
 :mod:`~hf_onebit.hook.buckets` (a bucket per parameter), :mod:`~hf_onebit.hook.attach` (with
-:mod:`~hf_onebit.hook.attach_checks`, what it checks first),
+:mod:`~hf_onebit.hook.attach_checks`, what it checks and refuses first),
 :mod:`~hf_onebit.hook.fsdp` (the same protocol on FSDP2's shards, exchanged between replicas).
 """
 
 from hf_onebit.hook.attach import attach
+from hf_onebit.hook.attach_checks import UnsupportedSetup
 from hf_onebit.hook.fsdp import FSDPHookState, replica_mesh
 from hf_onebit.hook.buckets import bucket_gradients
 from hf_onebit.hook.state import BucketCall, OneBitHookState, onebit_hook
 
-__all__ = ["BucketCall", "FSDPHookState", "OneBitHookState", "attach", "bucket_gradients", "onebit_hook", "replica_mesh"]
+__all__ = [
+    "BucketCall", "FSDPHookState", "OneBitHookState", "UnsupportedSetup", "attach", "bucket_gradients", "onebit_hook",
+    "replica_mesh",
+]

@@ -12,12 +12,12 @@ from typing import Any, Optional
 
 from torch.nn.parallel import DistributedDataParallel
 
-from hf_onebit.hook.attach_checks import check_params_match, check_same_on_every_rank, create_node_groups, run_self_test
+from hf_onebit.hook.attach_checks import (check_compiled_autograd, check_find_unused, check_params_match,
+                                         check_same_on_every_rank, create_node_groups, run_self_test)
 from hf_onebit.hook.fsdp import attach_fsdp, is_fsdp
 from hf_onebit.hook.state import OneBitHookState, onebit_hook
 from hf_onebit.optim import OneBitOptimizer
 from hf_onebit.optim.base import logger
-from hf_onebit.refusals import check_compiled_autograd, check_find_unused
 
 
 def attach(

@@ -54,10 +54,10 @@ import torch
 import torch.distributed as dist
 
 from hf_onebit.comm.compat import all_gather_bytes
-from hf_onebit.hook.attach_checks import check_params_match, check_same_on_every_rank, create_node_groups, run_self_test
+from hf_onebit.hook.attach_checks import (UnsupportedSetup, check_params_match, check_same_on_every_rank, create_node_groups,
+                                         run_self_test)
 from hf_onebit.hook.state import OneBitHookState
 from hf_onebit.optim import OneBitOptimizer
-from hf_onebit.refusals import UnsupportedSetup
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule

@@ -266,7 +266,7 @@ class OneBitHookState:
 def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: run the optimizer's plan for this step on ``bucket``."""
     if isinstance(bucket, tuple):  # DDP's Python reducer: (grad, param), one parameter at a time
-        from hf_onebit.refusals import UnsupportedSetup, compiled_autograd_message
+        from hf_onebit.hook.attach_checks import UnsupportedSetup, compiled_autograd_message
 
         raise UnsupportedSetup(compiled_autograd_message(
             "DDP's Python reducer called the communication hook with (grad, param) instead of a gradient bucket"))

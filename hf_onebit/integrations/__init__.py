@@ -12,7 +12,7 @@ module         what it holds
                lack (no clipping, LAMB's and BinSGDM's lr), what counts as given, the warmup
                alias (the optimizers' own defaults: :mod:`hf_onebit.optim.defaults`)
 ``checks``     start-up refusals (FSDP, DeepSpeed, model parallel, lone ranks; the hook's own,
-               sparse and find_unused, are re-exported from :mod:`hf_onebit.refusals`)
+               sparse and find_unused, are re-exported from :mod:`hf_onebit.hook.attach_checks`)
 ``trainer_quirks`` where the stock Trainer's own choices would hurt (loss normalisation,
                ``find_unused_parameters``), and what is set instead
 ``checkpoint`` ``<checkpoint>/hf_onebit/hf_onebit_rank{r}_of{n}.pt``

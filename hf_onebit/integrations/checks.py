@@ -3,7 +3,7 @@
 hf_onebit replaces DDP's gradient all-reduce. It needs every rank to hold the whole model in
 one DistributedDataParallel module, and every launched process to be a member of the process
 group. Each check raises :class:`UnsupportedSetup` (a ``ValueError``) with the fix. The checks
-that need only the DDP model and the optimizer live one layer down, in :mod:`hf_onebit.refusals`
+that need only the DDP model live one layer down, in :mod:`hf_onebit.hook.attach_checks`
 (``attach`` runs them for plain-PyTorch users); they are run here too, before anything is wrapped.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 # the hook layer's refusals, re-exported: the integrations run them before anything is wrapped
-from hf_onebit.refusals import UnsupportedSetup, check_compiled_autograd, check_find_unused, check_sparse
+from hf_onebit.hook.attach_checks import UnsupportedSetup, check_compiled_autograd, check_find_unused, check_sparse
 
 __all__ = [
     "UnsupportedSetup", "check_accelerator", "check_compiled_autograd", "check_distributed_type", "check_find_unused",

@@ -212,7 +212,7 @@ def test_compiled_autograd_and_the_python_reducer_are_refused_by_attach(monkeypa
     """The check attach runs (the real DDP under the Python reducer: the launch above)."""
     import types
 
-    from hf_onebit.refusals import UnsupportedSetup, check_compiled_autograd
+    from hf_onebit.hook.attach_checks import UnsupportedSetup, check_compiled_autograd
 
     monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", False)
     check_compiled_autograd(types.SimpleNamespace(_use_python_reducer=False))  # the default: fine
@@ -233,7 +233,7 @@ def test_compiled_autograd_and_the_python_reducer_are_refused_by_attach(monkeypa
 
 def test_the_check_does_not_import_dynamo_where_nothing_did():
     """Neither setting can be on unless torch._dynamo was imported: attach does not pay its import."""
-    code = ("import sys, types, torch.nn.parallel; from hf_onebit.refusals import check_compiled_autograd; "
+    code = ("import sys, types, torch.nn.parallel; from hf_onebit.hook.attach_checks import check_compiled_autograd; "
             "check_compiled_autograd(types.SimpleNamespace(_use_python_reducer=False)); "
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -244,7 +244,7 @@ def test_the_check_does_not_import_dynamo_where_nothing_did():
 def test_the_hook_refuses_a_per_parameter_call():
     """What DDP's Python reducer passes (compiled autograd): (grad, param), not a bucket."""
     from hf_onebit.hook.state import onebit_hook
-    from hf_onebit.refusals import UnsupportedSetup
+    from hf_onebit.hook.attach_checks import UnsupportedSetup
 
     p = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(UnsupportedSetup, match="Python reducer called the communication hook with .grad, param."):

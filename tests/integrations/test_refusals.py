@@ -178,7 +178,7 @@ def test_find_unused_parameters_is_refused_for_cpu_buckets(monkeypatch):
     check_find_unused(types.SimpleNamespace(find_unused_parameters=False, process_group=None, module=model))
     # Buckets that run inline (CUDA) are fine, whatever the backend is called: the device decides.
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
-    monkeypatch.setattr("hf_onebit.refusals.runs_inline", lambda device: True)
+    monkeypatch.setattr("hf_onebit.hook.attach_checks.runs_inline", lambda device: True)
     check_find_unused(types.SimpleNamespace(find_unused_parameters=True, process_group=None, module=model))
 
 
