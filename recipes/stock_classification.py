@@ -4,7 +4,7 @@
         --model_name_or_path <model> --train_file train.csv --validation_file validation.csv \
         --output_dir out/cls --optim onebit_adam
 
-It is the stock path of issue 15's acceptance table (``recipes/stock_table.py`` runs it once per
+It is the stock path of the stock table (``recipes/stock_table.py`` runs it once per
 optimizer): ``HfArgumentParser`` over its own dataclasses and the stock ``TrainingArguments``,
 CSV files with a text column and a ``label`` column, ``AutoModelForSequenceClassification``, the
 stock ``Trainer``, and ``all_results.json`` written by ``Trainer.save_metrics`` (the train metrics

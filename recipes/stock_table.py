@@ -1,4 +1,4 @@
-"""Issue 15's acceptance table: a stock classification script at the Trainer's defaults, only ``--optim X``.
+"""The stock table: a stock classification script at the Trainer's defaults, only ``--optim X``.
 
     python recipes/stock_table.py                       # AdamW and the four optimizers, seed 42
     python recipes/stock_table.py --seeds 42 43 44 --only adamw_torch binsgdm
@@ -119,8 +119,8 @@ def summary(out: Path, optim: str, seed: int, freeze: int | None = None) -> dict
 
 def table(out: Path, seeds: list[int], freeze: int | None = None, within: float = 1.0,
           adamw_from: Path | None = None) -> str:
-    """The markdown table; ``within``: the goal's band around AdamW's mean, in points (issue 15:
-    1 point; issue 11: 0.5). The spread is the sample standard deviation over the seeds.
+    """The markdown table; ``within``: the band around AdamW's mean that counts as matching it, in
+    points. The spread is the sample standard deviation over the seeds.
     ``adamw_from``: the folder of the AdamW runs to compare with (default ``out``), so that an
     experiment written to its own ``--out`` is still paired with the stock table's AdamW."""
     rows = ["| --optim | " + " | ".join(f"seed {s}" for s in seeds) + " | mean dev accuracy (sd) | Δ vs AdamW (points)"
@@ -177,7 +177,7 @@ def main() -> None:
                         help="the folder of the AdamW runs to compare with (default: --out), e.g. the stock"
                              " table's own when an experiment has its own --out (same --dataset subfolder rule)")
     parser.add_argument("--within", type=float, default=1.0,
-                        help="the goal's band around AdamW, in points (default 1: issue 15; issue 11 asks 0.5)")
+                        help="the band around AdamW that counts as matching it, in points (default 1)")
     args = parser.parse_args()
     out = Path(args.out)
     adamw_from = Path(args.adamw_from) if args.adamw_from else None

@@ -107,7 +107,7 @@ def report(results: dict) -> None:
             print(f"AdamW communication share at {entry['rate']} (vs its unthrottled step):"
                   f" {100 * comm_share(results, entry):.0f}%")
     cost_model_check(results)
-    print("\n=== goals of issue 6 (measured figures) ===")
+    print("\n=== goals (measured figures) ===")
     for line in goals(results):
         print(line)
 
@@ -200,7 +200,7 @@ def comm_share(results: dict, entry: dict) -> float:
 
 
 def goals(results: dict) -> list[str]:
-    """The issue's goals, evaluated on the measured figures (met or not)."""
+    """The throughput goals, evaluated on the measured figures (met or not)."""
     out = []
     rates = [r for r in results["rates"] if r["summary"]["rows"].get("adamw")]
     fmt = lambda ok: "MET " if ok else "MISSED"

@@ -645,7 +645,7 @@ def test_defaults_are_deepspeeds():
     assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler, opt.local_step_clipper) == (
         100000, 16, 32678, 16)
     assert opt.phase() == "variance" and opt.plan().value == A
-    # the one default that is not DeepSpeed's: the variance is bias-corrected (issue 11: without it a
+    # the one default that is not DeepSpeed's: the variance is bias-corrected (without it a
     # short fine-tuning run diverged); bias_correction=False keeps DeepSpeed's arithmetic
     assert opt.bias_correction is True
 
