@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 DEFERRED_DEVICES = {"cuda"}
 
 
-def finite_flag(tensors: list[torch.Tensor]) -> torch.Tensor:
+def norms_finite_flag(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A 0-dim bool on the tensors' device: every tensor's 2-norm is finite. No host read.
 
     A NaN or inf anywhere makes that tensor's norm non-finite; the fused ``_foreach_norm`` reads
@@ -42,11 +42,11 @@ def finite_flag(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
     """True when every element of every tensor is finite; one host sync.
 
-    :func:`finite_flag`, confirmed element-wise when it says no (an overflowing norm of huge
+    :func:`norms_finite_flag`, confirmed element-wise when it says no (an overflowing norm of huge
     finite values is not a NaN), before anyone is told.
     """
     try:
-        if bool(finite_flag(tensors)):
+        if bool(norms_finite_flag(tensors)):
             return True
     except (RuntimeError, TypeError):  # e.g. sparse or mixed-device lists: the element-wise check
         pass
@@ -149,7 +149,7 @@ def check_finite_grads(opt: OneBitOptimizer) -> torch.Tensor | None:
     for good. ``check_finite=False`` at construction skips the check, for a loop that checks its
     gradients itself. The promise: a non-finite gradient never changes optimizer state
     (parameters, moments, error buffers), and ``FloatingPointError`` is raised (on a GPU also for
-    a finite tensor whose 2-norm overflows fp32, see :func:`finite_flag`).
+    a finite tensor whose 2-norm overflows fp32, see :func:`norms_finite_flag`).
 
     * Where reading a device value is free (CPU), or the optimizer cannot mask a step, or under
       FSDP2 (every rank of a replica must agree, which the host decides): the host reads one
@@ -182,7 +182,7 @@ def check_finite_grads(opt: OneBitOptimizer) -> torch.Tensor | None:
     device = grads[0].device
     if (opt.masks_non_finite_steps and device.type in DEFERRED_DEVICES
             and not (opt.link is not None and opt.link.sharded) and all(g.device == device for g in grads)):
-        flag = finite_flag(grads)
+        flag = norms_finite_flag(grads)
         if pending is None:
             pending = opt._pending_finite = _PendingFlag(device)
         pending.send(flag, opt.steps_done + 1, opt.phase())

@@ -95,17 +95,17 @@ def test_a_masked_non_finite_step_changes_no_state_and_the_next_step_raises(bad_
 def test_the_flag_is_the_elementwise_verdict():
     """NaN and inf anywhere, in any tensor, fail it; large finite values (whose sum of norms
     would overflow) and empty tensors pass."""
-    from hf_onebit.optim.guards import _all_finite, finite_flag
+    from hf_onebit.optim.guards import _all_finite, norms_finite_flag
 
     big = [torch.full((1000,), 1e17) for _ in range(10)]  # each norm ~3e18, their sum fine, squares near the range
-    assert bool(finite_flag([torch.ones(3), *big, torch.empty(0)]))
+    assert bool(norms_finite_flag([torch.ones(3), *big, torch.empty(0)]))
     for bad in (float("nan"), float("inf"), -float("inf")):
         t = torch.zeros(5)
         t[3] = bad
-        assert not bool(finite_flag([torch.ones(2), t, *big]))
-    assert bool(finite_flag([torch.empty(0)]))
+        assert not bool(norms_finite_flag([torch.ones(2), t, *big]))
+    assert bool(norms_finite_flag([torch.empty(0)]))
     huge = torch.full((4,), 3e38)  # finite, but its norm overflows: the host path confirms element-wise
-    assert not bool(finite_flag([huge])) and _all_finite([huge])
+    assert not bool(norms_finite_flag([huge])) and _all_finite([huge])
 
 
 # 0/1 Adam: variance steps at 1, 2, 4, 8; 1-bit gradient steps at 3, 5-7 (step 3 freezes the masks:
