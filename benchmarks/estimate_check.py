@@ -62,7 +62,8 @@ TENSORS = 100  # its trained parameter tensors (about)
 LATENCY_S = 5e-5  # TCP
 NETWORK_ZEROONE = dict(var_update_scaler=2, local_step_scaler=4, local_step_clipper=16)  # network.py, 40 steps
 
-#: the stored runs: file -> how the run was configured (see the module docstring)
+#: the stored runs: file -> how the run was configured (see the module docstring); without a
+#: ``scale_block`` a run kept one scale per tensor
 RUNS = {
     "network.json": dict(layout=(2, 2), shared=True, warmup_bits=32, tensors=None, zeroone=NETWORK_ZEROONE),
     "defaults/network.json": dict(layout=(2, 2), shared=True, warmup_bits=8, tensors=TENSORS,
@@ -118,7 +119,8 @@ def points_of(name: str, data: dict, kernels: Kernels) -> list[Point]:
         bps = entry["bits_per_s"] or math.inf
         cfg = Config(params=params, layout=Layout(n, m), link_bps=bps, intra_bps=math.inf, latency_s=LATENCY_S,
                      compute_s=entry["compute_s"], dtype="fp32", warmup_bits=conf["warmup_bits"],
-                     tensors=conf["tensors"], hidden=HIDDEN, kernels=kernels, shared_link=conf["shared"])
+                     tensors=conf["tensors"], scale_block=conf.get("scale_block"), hidden=HIDDEN, kernels=kernels,
+                     shared_link=conf["shared"])
         lo, hi = entry["summary"]["window"]
         load = f"{entry['load_before'][0]:.1f}-{entry['load_after'][0]:.1f}"
         for method, row in entry["summary"]["rows"].items():

@@ -21,8 +21,10 @@ k·(n-k)/(n-1)·sent``; on 2 nodes of 2 the 1-bit exchange sends 7/12 of its byt
   AdamW's, put at the 1-bit methods' freeze; its matmuls (``≈ 4·r·P`` flops) are not timed.
 * 1-bit exchange (:mod:`hf_onebit.comm.compressed`): all-gather of ``s`` scales ``(n-1)·4s``, all-to-all of the signs
   ``(n-1)·C/8``, all-gather of ``[s' scales | C/8 signs]`` ``(n-1)·(4s' + C/8)``; ``sent ≈
-  2·(n-1)/n·L/8``, ``3(n-1)`` hops. A scale per tensor: ``s = s' = T_b + n - 1`` for ``T_b``
-  tensors (``--tensors``, default ``P/1e6``: an upper bound); a scale per chunk: ``s = s' = 1``.
+  2·(n-1)/n·L/8``, ``3(n-1)`` hops. A scale per piece (the library's: tensors cut into blocks
+  of 256): round 1 gathers a flag ``(n-1)·4``, and the all-to-all carries each chunk's ``s'``
+  scales beside its signs, ``(n-1)·(4s' + C/8)``, ``s' = T_b + C/256 + 1`` for ``T_b`` tensors
+  (``--tensors``, default ``P/1e6``: an upper bound); a scale per chunk (``--tensors 0``): ``s = s' = 1``.
   b-bit (the warmups): ``C·b/8`` for ``C/8``. ``--warmup-bits 32``: AdamW's all-reduce.
 * 1-bit exchange by node: shard ``S = ceil(L_b/k)``; fp32 reduce-scatter ``(k-1)·4·(S+1)`` and
   all-gather ``(k-1)·4S`` inside the node, the flat exchange of ``S`` among ``M`` between nodes,
@@ -58,6 +60,7 @@ from dataclasses import dataclass, field, fields
 from hf_onebit.comm.compressed import padded_length, piece_bounds
 from hf_onebit.comm.hierarchical import shard_piece_sizes
 from hf_onebit.comm.stats import allreduce_bytes
+from hf_onebit.optim.defaults import LIBRARY
 
 MiB = 1 << 20
 #: DDP's bucket sizes: the first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``) and the others (``bucket_cap_mb``)
@@ -157,37 +160,50 @@ def ring_allreduce(nbytes: float, lay: Layout) -> Traffic:
     return Traffic([_ring(allreduce_bytes(nbytes, n), lay, 2 * (n - 1))], 1 if n > 1 else 0)
 
 
-def piece_counts(numel: int, n: int, tensor_sizes=None, tensors: int | None = None) -> tuple[int, int]:
+#: elements per compression scale at the library's defaults (``scale_block``)
+SCALE_BLOCK = LIBRARY["OneBitAdam"]["scale_block"]
+
+
+def piece_counts(numel: int, n: int, tensor_sizes=None, tensors: int | None = None,
+                 block: int | None = SCALE_BLOCK) -> tuple[int, int]:
     """``(s, s')``: worker scales per rank and the most server scales of one chunk in one call:
-    exact for ``tensor_sizes`` (cut as the library cuts them), the bound for a count of ``tensors``,
-    one scale per chunk for neither."""
+    exact for ``tensor_sizes`` (the piece sizes a :class:`~hf_onebit.comm.CompressedAllReduce`
+    is given, cut as it cuts them), the bound for a count of ``tensors`` cut into blocks of
+    ``block``, one scale per chunk for neither."""
+    L = padded_length(int(numel), n)
+    C = L // n
     if tensor_sizes is not None:
-        L = padded_length(int(numel), n)
-        C = L // n
         bounds = piece_bounds(list(tensor_sizes), L, n)
         return len(bounds) - 1, max(sum(1 for a in bounds[:-1] if j * C <= a < (j + 1) * C) for j in range(n))
-    s = int(tensors) + n - 1 if tensors else 1
-    return s, s
+    if not tensors:
+        return 1, 1
+    cut = -(-L // block) if block else 0  # block boundaries, at most
+    return int(tensors) + cut + n - 1, int(tensors) + (-(-C // block) if block else 0) + 1
 
 
-def compressed(numel: int, lay: Layout, width: int = 1, tensor_sizes=None, tensors: int | None = None) -> Traffic:
+def compressed(numel: int, lay: Layout, width: int = 1, tensor_sizes=None, tensors: int | None = None,
+               block: int | None = SCALE_BLOCK) -> Traffic:
     """The 1-bit (``width`` 1) or b-bit exchange of ``numel`` elements among all ranks."""
     n = lay.ranks
     if n == 1:
         return Traffic()
     C = padded_length(int(numel), n) // n
-    s, s_max = piece_counts(numel, n, tensor_sizes, tensors)
-    scales, codes, payload = (n - 1) * 4 * s, (n - 1) * (C * width // 8), (n - 1) * (4 * s_max + C * width // 8)
+    s, s_max = piece_counts(numel, n, tensor_sizes, tensors, block)
+    if tensor_sizes is None and not tensors:  # one scale per rank and chunk: all-gathered in round 1
+        scales, codes, payload = (n - 1) * 4, (n - 1) * (C * width // 8), (n - 1) * (4 + C * width // 8)
+    else:  # a finiteness flag, then each chunk's piece scales beside its codes
+        scales, codes = (n - 1) * 4, (n - 1) * (4 * s_max + C * width // 8)
+        payload = codes
     return Traffic([_ring(scales, lay, n - 1), _all_to_all(codes, lay), _ring(payload, lay, n - 1)], 3)
 
 
 def compressed_by_node(numel: int, lay: Layout, width: int = 1, tensor_sizes=None,
-                       tensors: int | None = None) -> Traffic:
+                       tensors: int | None = None, block: int | None = SCALE_BLOCK) -> Traffic:
     """:mod:`hf_onebit.comm.hierarchical`'s exchange; with ``tensor_sizes``, local rank 0's shard."""
     k, M = lay.per_node, lay.nodes
     S = -(-int(numel) // k)
     shard_sizes = None if tensor_sizes is None else shard_piece_sizes(tensor_sizes, 0, S)
-    inner = compressed(S, Layout(M, M), width, shard_sizes, None if tensors is None else -(-tensors // k))
+    inner = compressed(S, Layout(M, M), width, shard_sizes, None if tensors is None else -(-tensors // k), block)
     rs, ag = (k - 1) * 4 * (S + 1), (k - 1) * 4 * S
     legs = [Leg(l.sent, k * l.sent, 0, l.hops) for l in inner.legs]  # every rank of the node runs one
     return Traffic([Leg(rs, 0, rs, k - 1), *legs, Leg(ag, 0, ag, k - 1)], 2 + inner.rounds)
@@ -318,6 +334,7 @@ class Config:
     dtype: str = "bf16"
     warmup_bits: int = 8  # 32: the full-precision warmup
     tensors: int | None = None  # parameter tensors (one scale each); None: P / 1e6; 0: one scale per chunk
+    scale_block: int | None = SCALE_BLOCK  # each tensor cut into blocks of this many elements, a scale each
     hidden: int | None = None  # PowerSGD's matrices
     powersgd_rank: int = 4
     kernels: Kernels = field(default_factory=lambda: DEFAULT_KERNELS)
@@ -366,7 +383,7 @@ def exchange(cfg: Config, kind: str, by_node: bool) -> tuple[Traffic, float, int
         elif kind in ("onebit", "bbit"):
             width = 1 if kind == "onebit" else cfg.warmup_bits
             tb = 0 if cfg.tensors == 0 else max(1, round(tensors * b / cfg.params))  # 0: a scale per chunk
-            total += (compressed_by_node if by_node else compressed)(b, lay, width, tensors=tb)
+            total += (compressed_by_node if by_node else compressed)(b, lay, width, tensors=tb, block=cfg.scale_block)
             kdtype = cfg.dtype if width != 1 else "fp32"  # the 1-bit calls compress fp32 buffers (momenta)
             kern += kernel_seconds("compressed", -(-b // lay.per_node) if by_node else b, ranks, kdtype,
                                    cfg.kernels, width)

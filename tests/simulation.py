@@ -263,9 +263,9 @@ class WarmupExchange:
     :meth:`clear` forgets every segment (1-bit Adam's and LAMB's freeze).
     """
 
-    def __init__(self, sizes, n, bits=None, layouts=None, scale_per_tensor=False) -> None:
+    def __init__(self, sizes, n, bits=None, layouts=None, scale_per_tensor=False, scale_block=None) -> None:
         self.sizes, self.n, self.bits, self.layouts = sizes, n, bits, layouts
-        self.per_tensor, self.by_key = scale_per_tensor, {}
+        self.per_tensor, self.block, self.by_key = scale_per_tensor, scale_block, {}
 
     def _exchange(self, key):
         if key not in self.by_key:
@@ -273,7 +273,7 @@ class WarmupExchange:
                 del self.by_key[other]
             sizes = [self.sizes[k] for k in key]
             self.by_key[key] = QuantizedSpecSimulation(sum(sizes), self.n, self.bits,
-                                                       sizes if self.per_tensor else None)
+                                                       scale_pieces(sizes, self.per_tensor, self.block))
         return self.by_key[key]
 
     def __call__(self, t, grads):  # grads[rank][param] -> averaged [param]
@@ -294,6 +294,18 @@ class WarmupExchange:
         self.by_key.clear()
 
 
+def scale_pieces(sizes: list[int], per_tensor: bool, block: int | None) -> list[int] | None:
+    """The sizes of the pieces that get one scale each: the tensors (``per_tensor``) or the whole
+    buffer, each cut into blocks of ``block`` elements; ``None``: one scale per chunk."""
+    if block is None:
+        return list(sizes) if per_tensor else None
+    pieces = []
+    for size in (sizes if per_tensor else [sum(sizes)]):
+        whole, rest = divmod(size, block)
+        pieces += [block] * whole + [rest] * (rest > 0)
+    return pieces
+
+
 def exchange(numel: int, n: int, tensor_sizes: list[int] | None = None, nodes: tuple[int, int] | None = None):
     """The simulated exchange of one buffer of ``n`` workers: spec §1 (one scale per chunk, or per
     tensor piece with ``tensor_sizes``), or by node with ``nodes = (M, k)``."""
@@ -311,19 +323,20 @@ class OneBitAdamSimulation:
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
                  freeze_step=10, bias_correction=True, auto_mask=True, scale_per_tensor=False, update_clip=None,
-                 nodes=None, warmup_bits=None, warmup_layouts=None):
+                 nodes=None, warmup_bits=None, warmup_layouts=None, scale_block=None):
         """``warmup_bits``, ``warmup_layouts``: the warmup's exchange (:class:`WarmupExchange`),
         cleared at the freeze."""
         self.auto_mask, self.update_clip = auto_mask, update_clip
         self.warmup = WarmupExchange([np.asarray(x).size for x in params], n, warmup_bits, warmup_layouts,
-                                     scale_per_tensor)
+                                     scale_per_tensor, scale_block)
         self.p = [np.array(x, np.float32) for x in params]
         self.m = [np.zeros_like(x) for x in self.p]
         self.v = [np.zeros_like(x) for x in self.p]
         self.seen = [np.zeros(x.shape, bool) for x in self.p]  # averaged gradient ever non-zero
         self.n, self.segments = n, segments
         self.comm = {tuple(s): exchange(sum(self.p[i].size for i in s), n,
-                                        [self.p[i].size for i in s] if scale_per_tensor else None, nodes)
+                                        scale_pieces([self.p[i].size for i in s], scale_per_tensor, scale_block),
+                                        nodes)
                      for s in segments}
         self.lr, self.b1, self.b2, self.eps, self.wd = lr, betas[0], betas[1], eps, wd
         self.F, self.bc, self.t = freeze_step, bias_correction, 0

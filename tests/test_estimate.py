@@ -100,7 +100,7 @@ def _ddp_steps(rank, world_size, steps):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
-    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=3, scale_per_tensor=False)
+    opt = hf_onebit.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=3, scale_per_tensor=False, scale_block=None)
     ddp = DDP(model)
     hf_onebit.attach(ddp, opt)
     data = torch.Generator().manual_seed(rank)

@@ -30,18 +30,22 @@ cut into *pieces*: the tensor boundaries rounded down to a multiple of 8 (so no 
 straddles two pieces; a tensor whose size is not a multiple of 8 lends its last few elements
 to the next tensor's piece, and the last tensor also owns the zero padding), united with the
 chunk boundaries (multiples of ``C``). Every piece then lies in one chunk and (up to those few
-elements) one tensor, and gets its own scale on both sides::
+elements) one tensor, and gets its own scale on both sides. The optimizers cut tensors further
+into blocks (``scale_block``), so ``P`` may be large: a server needs only its own chunk's worker
+scales, which therefore travel beside the signs, and round 1 carries one finiteness flag::
 
-    round 1  all-gather   s_i[p] = RMS over piece p of (x_i + e_i)        4·P bytes per rank
+    round 1  all-gather   f_i = every s_i[p] finite, s_i[p] = RMS over piece p of (x_i + e_i)
+                                                                          4 bytes per rank
              e_i = y - s_i[piece(k)]·sign⁺(y)
-    round 2  all-to-all   as above
+    round 2  all-to-all   [s_i of chunk j's pieces, padded to P_max | bits of chunk j] -> rank j
+                                                                          n·4·P_max + L/8 bytes
              a[k] = mean_i s_i[piece(k)]·sign⁺_i[k];  z = a + ē_j
              t[p] = RMS over piece p of z (pieces of chunk j);  ē_j = z - t[piece(k)]·sign⁺(z)
     round 3  all-gather   [t of chunk j's pieces, padded to P_max | bits]  4·P_max + C/8 bytes
 
-Error buffers keep their shapes. If any rank's piece scale is non-finite, every rank replaces
-all gathered worker scales with NaN before use, so (as with one scale) no error buffer changes
-anywhere and the whole result is NaN on every rank.
+Error buffers keep their shapes. If any rank's flag is false, every rank replaces its worker
+scales with NaN before use, so (as with one scale) no error buffer changes anywhere and the
+whole result is NaN on every rank.
 
 ``width`` bits per element (``__call__(x, width=8)`` or ``width=4``; docs/algorithms.md,
 "Exchanges"): the same three rounds and the same error feedback, with the compressor
@@ -49,9 +53,10 @@ anywhere and the whole result is NaN on every rank.
 in place of ``RMS·sign⁺``; codes of ``b`` bits travel where signs did (the layout is
 :mod:`hf_onebit.kernels.reference`'s)::
 
-    round 1  all-gather   s_i[p] = max|x_i + e_i| / Q over piece p        4·P bytes per rank
+    round 1  all-gather   s_i = max|x_i + e_i| / Q (per piece: its flag)  4 bytes per rank
              codes_i = q(y, s_i);  e_i = y - s_i·q                       (worker error feedback)
-    round 2  all-to-all   chunk j of codes_i -> rank j                    b·L/8 bytes per rank
+    round 2  all-to-all   chunk j of codes_i (per piece: after its scales) -> rank j
+                                                                          b·L/8 bytes per rank
              a = mean_i s_i·q_i;  z = a + ē_j;  t = max|z| / Q;  ē_j = z - t·q(z, t)
     round 3  all-gather   [t of chunk j's pieces | codes]                 4·P_max + b·C/8 bytes
              result = concat_j t_j·q_j
@@ -75,6 +80,7 @@ only its own error, as if the other were exact.
 
 from __future__ import annotations
 
+import functools
 import logging
 from types import ModuleType
 
@@ -104,6 +110,15 @@ def padded_length(numel: int, world_size: int) -> int:
     return -(-numel // unit) * unit
 
 
+def blocks(piece_sizes, block: int) -> list[int]:
+    """``piece_sizes`` with each piece cut into pieces of at most ``block`` elements, in order
+    (the pieces of a piece that is not a multiple of ``block`` end with the remainder)."""
+    out = []
+    for size in map(int, piece_sizes):
+        out += [block] * (size // block) + ([size % block] if size % block else [])
+    return out
+
+
 def piece_bounds(piece_sizes, padded_numel: int, world_size: int) -> list[int]:
     """Piece boundaries (element offsets, ``0 .. padded_numel``) for tensors of ``piece_sizes``.
 
@@ -120,6 +135,19 @@ def piece_bounds(piece_sizes, padded_numel: int, world_size: int) -> list[int]:
         offset += size
         cuts.add(min(offset // 8 * 8, padded_numel))
     return sorted(cuts)
+
+
+class _Codec:
+    """The kernels of one width under the 1-bit names: signs and RMS scales (``width=1``), or
+    ``width``-bit codes and max-abs scales (the backends' ``q*`` operations)."""
+
+    __slots__ = ("worker_scale", "worker_pack", "server_scale", "server_pack", "unpack_scaled")
+
+    def __init__(self, kernels, width: int) -> None:
+        names = ("worker_scale", "worker_pack", "server_scale", "server_pack", "unpack_scaled")
+        for name in names:
+            op = getattr(kernels, name if width == 1 else "q" + name)
+            setattr(self, name, op if width == 1 else functools.partial(op, width=width))
 
 
 class ErrorFeedback:
@@ -223,15 +251,6 @@ class CompressedAllReduce:
                                     self.device, deferred_commit)
         #: the b-bit calls' own pair (``separate_coded_errors``), made on the first such call
         self.coded_errors: ErrorFeedback | None = None
-        if n > 1:
-            self._scales = torch.empty(n, **f32)
-            self._send_bits = torch.empty(self.padded_numel // 8, **u8)
-            self._recv_bits = torch.empty(self.padded_numel // 8, **u8)
-            # Round 3 payload: 4 bytes of fp32 scale, then the chunk's bits.
-            self._payload = torch.empty(4 + self.chunk // 8, **u8)
-            self._gathered = torch.empty(n * (4 + self.chunk // 8), **u8)
-            self._gathered_bits = torch.empty(n, self.chunk // 8, **u8)
-            self._gathered_scales = torch.empty(n, 4, **u8)
         self.piece_sizes = None if piece_sizes is None else tuple(int(v) for v in piece_sizes)
         if self.piece_sizes is not None and sum(self.piece_sizes) != self.numel:
             raise ValueError(f"piece_sizes sum to {sum(self.piece_sizes)}, the buffer has {self.numel} elements")
@@ -239,7 +258,8 @@ class CompressedAllReduce:
         if self.piece_sizes is not None and n > 1 and self.padded_numel > 0:
             self._setup_pieces(piece_bounds(self.piece_sizes, self.padded_numel, n))
         #: work buffers of the b-bit exchange, by width, made on its first call (see :meth:`reset`)
-        self._coded: dict[int, dict[str, torch.Tensor]] = {}
+        #: work buffers by width, made on a width's first call (see :meth:`reset`)
+        self._buffers: dict[int, dict[str, torch.Tensor]] = {}
 
     @property
     def worker_error(self) -> torch.Tensor:
@@ -260,10 +280,8 @@ class CompressedAllReduce:
         return self.coded_errors
 
     def _setup_pieces(self, bounds: list[int]) -> None:
-        """Static piece layout and the work buffers its scales need."""
+        """Static piece layout (the work buffers come per width, :meth:`_piece_buffers`)."""
         n, C = self.world_size, self.chunk
-        f32 = dict(dtype=torch.float32, device=self.device)
-        u8 = dict(dtype=torch.uint8, device=self.device)
         # Bounds own the backend's tables for this layout (built on first use, kept while this
         # all-reduce lives: nothing is rebuilt per call, whatever the number of segments).
         self._bounds = bounds = Bounds(bounds)
@@ -274,16 +292,13 @@ class CompressedAllReduce:
         self.max_chunk_pieces = max(hi - lo for lo, hi in self._chunk_pieces)
         lo, hi = self._chunk_pieces[self.rank]
         self._local_bounds = Bounds(b - self.rank * C for b in bounds[lo : hi + 1])
-        # Where piece p's server scale sits in the gathered (n, P_max) scales.
+        # Where piece p's scale sits in a row-per-chunk (n, P_max) table: the worker scales sent
+        # in round 2, the server scales gathered in round 3.
         self._gather_index = torch.tensor(
             [j * self.max_chunk_pieces + q for j, (a, b) in enumerate(self._chunk_pieces) for q in range(b - a)],
             dtype=torch.int64, device=self.device,
         )
-        self._scales = torch.empty(n * P, **f32)
-        head = 4 * self.max_chunk_pieces
-        self._payload = torch.zeros(head + C // 8, **u8)
-        self._gathered = torch.empty(n * (head + C // 8), **u8)
-        self._gathered_scales = torch.empty(n, head, **u8)
+        self._finite_flags = torch.empty(n, dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------------ the algorithm
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *, width: int = 1) -> torch.Tensor:
@@ -309,146 +324,114 @@ class CompressedAllReduce:
         # with deferred commits, spare copies; commit() makes them current
         worker_error, server_error = self._errors_for(width).for_call()
 
-        if width != 1:
-            self._call_coded(x, out, worker_error, server_error, width)
-            self.stats.record(self.bytes_per_call(width))
-            return out
         if self._bounds is not None:
-            self._call_pieces(x, out, worker_error, server_error)
-            self.stats.record(self.bytes_per_call())
-            return out
+            self._call_pieces(x, out, worker_error, server_error, width)
+        else:
+            self._call_chunks(x, out, worker_error, server_error, width)
+        self.stats.record(self.bytes_per_call(width))
+        return out
 
+    def _work_buffers(self, width: int, scales_per_row: int) -> dict[str, torch.Tensor]:
+        """The work buffers of calls at ``width`` bits (made once; :meth:`reset` frees the b-bit
+        ones). Rows of ``[4·scales_per_row bytes of scales | C·width/8 bytes of codes]``, one per
+        chunk: what round 2 sends with one scale per piece, and what round 3 gathers."""
+        bufs = self._buffers.get(width)
+        if bufs is None:
+            n, C = self.world_size, self.chunk
+            u8 = dict(dtype=torch.uint8, device=self.device)
+            row = 4 * scales_per_row + C * width // 8
+            bufs = self._buffers[width] = dict(
+                scales=torch.zeros(n * scales_per_row, dtype=torch.float32, device=self.device),
+                codes=torch.empty(self.padded_numel * width // 8, **u8),
+                received=torch.empty(n, C * width // 8, **u8),
+                payload=torch.zeros(row, **u8),
+                gathered=torch.empty(n, row, **u8),
+                gathered_scales=torch.empty(n, 4 * scales_per_row, **u8),
+            )
+            if self._bounds is not None:
+                bufs.update(send=torch.zeros(n, row, **u8), recv=torch.empty(n, row, **u8))
+            else:
+                bufs.update(recv=torch.empty(self.padded_numel * width // 8, **u8))
+        return bufs
+
+    def _call_chunks(self, x, out, worker_error, server_error, width: int) -> None:
+        """The three rounds with one scale per rank and chunk (the spec's; see the module docstring)."""
+        k, n, group = _Codec(self.kernels, width), self.world_size, self.group
+        bufs = self._work_buffers(width, 1)
         # (stage(...): the time of each part, for the logs and the profiler; see comm/stats.py)
         # Round 1: worker scales. Every rank learns every rank's scale (and its finiteness).
         with stage("pack"):
             own = k.worker_scale(x, worker_error).reshape(1)
         with stage("exchange"):
-            all_gather_into_tensor(self._scales, own, group=group)
+            all_gather_into_tensor(bufs["scales"], own, group=group)
         with stage("pack"):
-            k.worker_pack(x, worker_error, self._scales, self.rank, self._send_bits)
+            k.worker_pack(x, worker_error, bufs["scales"], self.rank, bufs["codes"])
 
-        # Round 2: chunk j of every rank's signs goes to rank j.
+        # Round 2: chunk j of every rank's codes goes to rank j.
         with stage("exchange"):
-            dist.all_to_all_single(self._recv_bits, self._send_bits, group=group)
-        with stage("pack"):
-            recv = self._recv_bits.view(n, self.chunk // 8)
-            t = k.server_scale(recv, self._scales, server_error)
-            self._payload[:4].view(torch.float32).copy_(t.reshape(1))
-            k.server_pack(recv, self._scales, server_error, t, self._payload[4:])
-
-        # Round 3: every server's scale and signs go to every rank.
-        with stage("exchange"):
-            all_gather_into_tensor(self._gathered, self._payload, group=group)
-        with stage("unpack"):
-            rows = self._gathered.view(n, 4 + self.chunk // 8)
-            self._gathered_scales.copy_(rows[:, :4])
-            self._gathered_bits.copy_(rows[:, 4:])
-            k.unpack_scaled(self._gathered_bits, self._gathered_scales.view(torch.float32).reshape(n), out.view(-1))
-
-        self.stats.record(self.bytes_per_call())
-        return out
-
-    def _call_pieces(self, x, out, worker_error, server_error) -> None:
-        """The three rounds with one scale per piece (see the module docstring)."""
-        k, n, group, P = self.kernels, self.world_size, self.group, self.num_pieces
-        bounds, local = self._bounds, self._local_bounds
-
-        # Round 1: every rank's P piece scales.
-        with stage("pack"):
-            own = k.worker_scale(x, worker_error, bounds=bounds)
-        with stage("exchange"):
-            all_gather_into_tensor(self._scales, own, group=group)
-        with stage("pack"):
-            scales = self._scales.view(n, P)
-            # One non-finite scale anywhere poisons them all (a device op, no host sync), so no
-            # error buffer changes on any rank and the whole result is non-finite everywhere.
-            scales = torch.where(torch.isfinite(scales).all(), scales, torch.full_like(scales, float("nan")))
-            k.worker_pack(x, worker_error, scales, self.rank, self._send_bits, bounds=bounds)
-
-        # Round 2: signs to their servers; this rank serves the pieces of its chunk.
-        with stage("exchange"):
-            dist.all_to_all_single(self._recv_bits, self._send_bits, group=group)
-        head = 4 * self.max_chunk_pieces
-        with stage("pack"):
-            recv = self._recv_bits.view(n, self.chunk // 8)
-            lo, hi = self._chunk_pieces[self.rank]
-            chunk_scales = scales[:, lo:hi].contiguous()
-            t = k.server_scale(recv, chunk_scales, server_error, bounds=local)
-            self._payload[: 4 * (hi - lo)].view(torch.float32).copy_(t)
-            k.server_pack(recv, chunk_scales, server_error, t, self._payload[head:], bounds=local)
-
-        # Round 3: every server's piece scales and signs go to every rank.
-        with stage("exchange"):
-            all_gather_into_tensor(self._gathered, self._payload, group=group)
-        with stage("unpack"):
-            rows = self._gathered.view(n, head + self.chunk // 8)
-            self._gathered_scales.copy_(rows[:, :head])
-            self._gathered_bits.copy_(rows[:, head:])
-            server_scales = self._gathered_scales.view(torch.float32).reshape(-1)[self._gather_index]
-            k.unpack_scaled(self._gathered_bits, server_scales, out.view(-1), bounds=bounds)
-
-    def _coded_buffers(self, width: int) -> dict[str, torch.Tensor]:
-        """The b-bit exchange's work buffers for ``width`` (made once; :meth:`reset` frees them)."""
-        bufs = self._coded.get(width)
-        if bufs is None:
-            n, C = self.world_size, self.chunk
-            u8 = dict(dtype=torch.uint8, device=self.device)
-            head = 4 * (self.max_chunk_pieces if self._bounds is not None else 1)
-            row = head + C * width // 8
-            bufs = self._coded[width] = dict(
-                send=torch.empty(self.padded_numel * width // 8, **u8),
-                recv=torch.empty(self.padded_numel * width // 8, **u8),
-                payload=torch.zeros(row, **u8),
-                gathered=torch.empty(n * row, **u8),
-                codes=torch.empty(n, C * width // 8, **u8),
-                scales=torch.empty(n, head, **u8),
-            )
-        return bufs
-
-    def _call_coded(self, x, out, worker_error, server_error, width: int) -> None:
-        """The three rounds at ``width`` bits per element (see the module docstring)."""
-        k, n, group = self.kernels, self.world_size, self.group
-        bufs = self._coded_buffers(width)
-        pieces = self._bounds is not None
-        bounds, local = (self._bounds, self._local_bounds) if pieces else (None, None)
-
-        # Round 1: every rank's scales (one, or one per piece); one non-finite scale anywhere
-        # poisons them all, so no error buffer changes on any rank and the result is NaN everywhere.
-        with stage("pack"):
-            own = k.qworker_scale(x, worker_error, width=width, bounds=bounds)
-        with stage("exchange"):
-            all_gather_into_tensor(self._scales, own.reshape(-1), group=group)
-        with stage("pack"):
-            scales = self._scales.view(n, -1)
-            scales = torch.where(torch.isfinite(scales).all(), scales, torch.full_like(scales, float("nan")))
-            k.qworker_pack(x, worker_error, scales if pieces else scales.reshape(n), self.rank, bufs["send"],
-                           width=width, bounds=bounds)
-
-        # Round 2: codes to their servers; this rank serves chunk `rank` (its pieces).
-        with stage("exchange"):
-            dist.all_to_all_single(bufs["recv"], bufs["send"], group=group)
-        head = bufs["scales"].shape[1]
+            dist.all_to_all_single(bufs["recv"], bufs["codes"], group=group)
         with stage("pack"):
             recv = bufs["recv"].view(n, -1)
-            if pieces:
-                lo, hi = self._chunk_pieces[self.rank]
-                chunk_scales = scales[:, lo:hi].contiguous()
-            else:
-                lo, hi, chunk_scales = 0, 1, scales.reshape(n)
-            t = k.qserver_scale(recv, chunk_scales, server_error, width=width, bounds=local)
-            bufs["payload"][: 4 * (hi - lo)].view(torch.float32).copy_(t.reshape(-1))
-            k.qserver_pack(recv, chunk_scales, server_error, t, bufs["payload"][head:], width=width, bounds=local)
+            t = k.server_scale(recv, bufs["scales"], server_error)
+            payload = bufs["payload"]
+            payload[:4].view(torch.float32).copy_(t.reshape(1))
+            k.server_pack(recv, bufs["scales"], server_error, t, payload[4:])
 
-        # Round 3: every server's scales and codes go to every rank.
+        # Round 3: every server's scale and codes go to every rank.
         with stage("exchange"):
-            all_gather_into_tensor(bufs["gathered"], bufs["payload"], group=group)
+            all_gather_into_tensor(bufs["gathered"].view(-1), payload, group=group)
         with stage("unpack"):
-            rows = bufs["gathered"].view(n, -1)
-            bufs["scales"].copy_(rows[:, :head])
-            bufs["codes"].copy_(rows[:, head:])
-            gathered = bufs["scales"].view(torch.float32)
-            server_scales = gathered.reshape(-1)[self._gather_index] if pieces else gathered.reshape(n)
-            k.qunpack_scaled(bufs["codes"], server_scales, out.view(-1), width=width, bounds=bounds)
+            rows = bufs["gathered"]
+            bufs["gathered_scales"].copy_(rows[:, :4])
+            bufs["received"].copy_(rows[:, 4:])
+            k.unpack_scaled(bufs["received"], bufs["gathered_scales"].view(torch.float32).reshape(n), out.view(-1))
+
+    def _call_pieces(self, x, out, worker_error, server_error, width: int) -> None:
+        """The three rounds with one scale per piece, at ``width`` bits (see the module docstring)."""
+        n, group, P = self.world_size, self.group, self.num_pieces
+        bounds, local = self._bounds, self._local_bounds
+        k = _Codec(self.kernels, width)
+        bufs = self._work_buffers(width, self.max_chunk_pieces)
+        head = 4 * self.max_chunk_pieces
+
+        # Round 1: whether every rank's scales are finite. One non-finite scale anywhere poisons
+        # them all (a device op, no host sync), so no error buffer changes on any rank and the
+        # whole result is non-finite everywhere.
+        with stage("pack"):
+            own = k.worker_scale(x, worker_error, bounds=bounds).reshape(-1)
+            flag = torch.isfinite(own).all().to(torch.float32).reshape(1)
+        with stage("exchange"):
+            all_gather_into_tensor(self._finite_flags, flag, group=group)
+        with stage("pack"):
+            own = torch.where(self._finite_flags.bool().all(), own, torch.full_like(own, float("nan")))
+            k.worker_pack(x, worker_error, own.view(1, P), 0, bufs["codes"], bounds=bounds)
+            bufs["scales"][self._gather_index] = own  # chunk j's piece scales in row j
+            send = bufs["send"]
+            send[:, :head].copy_(bufs["scales"].view(torch.uint8).view(n, head))
+            send[:, head:].copy_(bufs["codes"].view(n, -1))
+
+        # Round 2: chunk j's scales and codes go to rank j, the server of chunk j's pieces.
+        with stage("exchange"):
+            dist.all_to_all_single(bufs["recv"], send, group=group)
+        with stage("pack"):
+            lo, hi = self._chunk_pieces[self.rank]
+            recv = bufs["received"]
+            recv.copy_(bufs["recv"][:, head:])
+            chunk_scales = bufs["recv"][:, :head].contiguous().view(torch.float32)[:, : hi - lo].contiguous()
+            t = k.server_scale(recv, chunk_scales, server_error, bounds=local)
+            payload = bufs["payload"]
+            payload[: 4 * (hi - lo)].view(torch.float32).copy_(t.reshape(-1))
+            k.server_pack(recv, chunk_scales, server_error, t, payload[head:], bounds=local)
+
+        # Round 3: every server's piece scales and codes go to every rank.
+        with stage("exchange"):
+            all_gather_into_tensor(bufs["gathered"].view(-1), payload, group=group)
+        with stage("unpack"):
+            rows = bufs["gathered"]
+            bufs["gathered_scales"].copy_(rows[:, :head])
+            recv.copy_(rows[:, head:])
+            server_scales = bufs["gathered_scales"].view(torch.float32).reshape(-1)[self._gather_index]
+            k.unpack_scaled(recv, server_scales, out.view(-1), bounds=bounds)
 
     def bytes_per_call(self, width: int = 1) -> CommRecord:
         """What one call at ``width`` bits per element sends and receives on this rank (see
@@ -456,11 +439,12 @@ class CompressedAllReduce:
         n = self.world_size
         if n == 1:
             return CommRecord(calls=1)
-        worker_scales = self.num_pieces if self._bounds is not None else 1
-        server_scales = self.max_chunk_pieces if self._bounds is not None else 1
-        scales = (n - 1) * 4 * worker_scales
-        signs = (n - 1) * (self.chunk * width // 8)
-        payload = (n - 1) * (4 * server_scales + self.chunk * width // 8)
+        codes = self.chunk * width // 8
+        if self._bounds is not None:  # round 1 a finiteness flag; the worker scales ride in round 2
+            head = 4 * self.max_chunk_pieces
+            scales, signs, payload = (n - 1) * 4, (n - 1) * (head + codes), (n - 1) * (head + codes)
+        else:
+            scales, signs, payload = (n - 1) * 4, (n - 1) * codes, (n - 1) * (4 + codes)
         moved = scales + signs + payload
         fp32 = allreduce_bytes(4 * self.numel, n)
         return CommRecord(
@@ -553,4 +537,5 @@ class CompressedAllReduce:
         exchange comes before such a reset; a later one makes them again, from zero)."""
         self.errors.zero()
         self.coded_errors = None
-        self._coded.clear()
+        for width in [w for w in self._buffers if w != 1]:
+            del self._buffers[width]

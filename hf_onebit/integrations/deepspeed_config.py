@@ -238,8 +238,9 @@ def _optimizer_params(conv: Conversion, params: dict) -> None:
               "defaults=\"paper\": the papers' values of the arguments left out, which are DeepSpeed's: warmup_bits=None"
               f" (the {'variance steps exchange' if name == 'ZeroOneAdam' else 'warmup exchanges'} the gradient at full"
               " precision, as DeepSpeed did; the library's 8 sends 4x fewer bytes), update_clip=None (the library's"
-              " 1.0 bounds every coordinate's step at lr once the variance is frozen), scale_per_tensor=False (one"
-              " compression scale per rank's chunk of a DDP bucket; the library's True keeps one per tensor)"
+              " 1.0 bounds every coordinate's step at lr once the variance is frozen), scale_per_tensor=False and"
+              " scale_block=None (one compression scale per rank's chunk of a DDP bucket; the library's keep one"
+              " per block of 256 elements of each tensor)"
               + (", var_update_scaler=16 and clip_synced_momentum=True (the library's None and False)"
                  if name == "ZeroOneAdam" else "") + ".")
     conv.note("granularity",

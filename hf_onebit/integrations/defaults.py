@@ -1,6 +1,6 @@
 """The training-loop settings each hf_onebit optimizer needs that differ from the Trainer's defaults.
 
-The optimizers' own arguments (the automatic freeze, one scale per tensor, the update clip, the
+The optimizers' own arguments (the automatic freeze, one scale per block of each tensor, the update clip, the
 warmup's bit width) are not here: their constructors apply them, from the one table of
 :mod:`hf_onebit.optim.defaults` (``LIBRARY``; ``defaults="paper"`` for the papers' values), so
 ``OneBitAdam(params)``, ``--optim onebit_adam`` through :class:`~hf_onebit.OneBitTrainer` or the

@@ -54,7 +54,7 @@ def report(conv: Conversion, path: str) -> str:
         *(_fill(text, "  - ", "    ") for _, text in conv.notes),
         "",
         _fill("Or hf_onebit's library defaults (automatic freeze, 8-bit warmup, update_clip=1.0, one scale per"
-              f" tensor{bias}), with DeepSpeed's hyperparameters:"),
+              f" block of 256 elements of each tensor{bias}), with DeepSpeed's hyperparameters:"),
         f"  {_shell_lines(conv.launcher_args(library=True))}",
         _fill(conv.constructor_call(library=True), "  ", "      "),
     ])

@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 
 from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce
+from hf_onebit.comm.compressed import blocks
 from hf_onebit.comm.segments import Segment, SegmentRegistry
 from hf_onebit.comm.topology import NodeTopology, check_same_local_world_size, node_topology
 from hf_onebit.optim import adam_state, guards, rank_state
-from hf_onebit.optim.validation import check_betas, check_bool, check_common
+from hf_onebit.optim.validation import check_betas, check_bool, check_common, check_scale_block
 from hf_onebit.optim.workspace import Workspace
 
 logger = logging.getLogger("hf_onebit")
@@ -48,8 +49,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
     :meth:`rank_state_dict`.
     """
 
-    def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False, check_finite: bool = True,
-                 hierarchical: bool | None = False) -> None:
+    def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False, scale_block: int | None = None,
+                 check_finite: bool = True, hierarchical: bool | None = False) -> None:
         check_bool(check_finite, f"{type(self).__name__}: check_finite")
         if hierarchical is not None and not isinstance(hierarchical, bool):
             raise TypeError(f"{type(self).__name__}: hierarchical must be True, False or None (auto), got {hierarchical!r}")
@@ -61,6 +62,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
         #: One compression scale per parameter tensor of a bucket instead of one per rank and
         #: chunk (see :class:`~hf_onebit.comm.CompressedAllReduce`'s ``piece_sizes``).
         self.scale_per_tensor = bool(scale_per_tensor)
+        #: At most this many elements per compression scale (``None``: no limit): each piece of
+        #: a segment (a tensor, or the whole segment) is cut into blocks of this size.
+        self.scale_block = check_scale_block(scale_block)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.is_sparse:
@@ -287,6 +291,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         params = self.params_in_order()
         numel = sum(params[i].numel() for i in key)
         piece_sizes = [params[i].numel() for i in key] if self.scale_per_tensor else None
+        if self.scale_block is not None:
+            piece_sizes = blocks(piece_sizes or [numel], self.scale_block)
         return self.link.new_compressor(numel, device, piece_sizes, self.nodes(),
                                         separate_coded_errors=self.separate_coded_errors)
 

@@ -124,6 +124,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         bias_correction: bool = True,
         auto_mask: bool = True,
         scale_per_tensor: bool = LIBRARY_DEFAULT,
+        scale_block: int | None = LIBRARY_DEFAULT,
         check_finite: bool = True,
         update_clip: float | None = LIBRARY_DEFAULT,
         hierarchical: bool | None = False,
@@ -132,16 +133,16 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         total_steps: int | None = None,
     ) -> None:
         # arguments left out take the library's defaults, or the papers' (optim/defaults.py)
-        freeze_step, scale_per_tensor, update_clip, warmup_bits = resolve_defaults(
-            "OneBitAdam", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip,
-            warmup_bits=warmup_bits
+        freeze_step, scale_per_tensor, scale_block, update_clip, warmup_bits = resolve_defaults(
+            "OneBitAdam", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor,
+            scale_block=scale_block, update_clip=update_clip, warmup_bits=warmup_bits,
         ).values()
         self.update_clip = check_update_clip(update_clip)
         self.warmup_bits = check_warmup_bits(warmup_bits)
         self.init_freeze(freeze_step, "freeze_step", total_steps)
         group_defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, group_defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
-                         hierarchical=hierarchical)
+        super().__init__(params, group_defaults, scale_per_tensor=scale_per_tensor, scale_block=scale_block,
+                         check_finite=check_finite, hierarchical=hierarchical)
         self.auto_mask = auto_mask
         if not bias_correction:
             self.warn_uncorrected_variance(betas[1])

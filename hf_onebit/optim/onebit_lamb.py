@@ -178,6 +178,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         factor_threshold: float = 0.1,
         auto_mask: bool = True,
         scale_per_tensor: bool = LIBRARY_DEFAULT,
+        scale_block: int | None = LIBRARY_DEFAULT,
         check_finite: bool = True,
         update_clip: float | None = LIBRARY_DEFAULT,
         hierarchical: bool | None = False,
@@ -188,9 +189,11 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         total_steps: int | None = None,
     ) -> None:
         # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
-        freeze_step, scale_per_tensor, update_clip, warmup_bits, bias_correction, fresh_trust_ratio = resolve_defaults(
-            "OneBitLamb", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor, update_clip=update_clip,
-            warmup_bits=warmup_bits, bias_correction=bias_correction, fresh_trust_ratio=fresh_trust_ratio,
+        (freeze_step, scale_per_tensor, scale_block, update_clip, warmup_bits, bias_correction,
+         fresh_trust_ratio) = resolve_defaults(
+            "OneBitLamb", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor,
+            scale_block=scale_block, update_clip=update_clip, warmup_bits=warmup_bits,
+            bias_correction=bias_correction, fresh_trust_ratio=fresh_trust_ratio,
         ).values()
         self.init_freeze(freeze_step, "freeze_step", total_steps)
         self.update_clip = check_update_clip(update_clip)
@@ -204,8 +207,8 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
         )
-        super().__init__(params, group_defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
-                         hierarchical=hierarchical)
+        super().__init__(params, group_defaults, scale_per_tensor=scale_per_tensor, scale_block=scale_block,
+                         check_finite=check_finite, hierarchical=hierarchical)
         self.auto_mask = auto_mask
 
     # ---------------------------------------------------------------- parameter groups

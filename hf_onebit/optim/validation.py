@@ -29,6 +29,15 @@ def check_bool(value: bool, name: str) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
+def check_scale_block(value, name: str = "scale_block") -> int | None:
+    """``None`` (no limit) or a positive multiple of 8: packed sign bytes never straddle two scales."""
+    if value is None:
+        return None
+    if type(value) is not int or value < 8 or value % 8:
+        raise ValueError(f"{name} must be None or a positive multiple of 8 elements, got {value!r}")
+    return value
+
+
 def check_warmup_bits(value, name: str = "warmup_bits") -> int | None:
     """``None`` (full precision) or a width of the b-bit exchange (8 or 4)."""
     from hf_onebit.kernels.contract import WIDTHS

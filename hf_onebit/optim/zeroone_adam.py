@@ -222,6 +222,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         auto_mask: bool = True,
         bias_correction: bool = True,
         scale_per_tensor: bool = LIBRARY_DEFAULT,
+        scale_block: int | None = LIBRARY_DEFAULT,
         check_finite: bool = True,
         update_clip: float | None = LIBRARY_DEFAULT,
         clip_synced_momentum: bool = LIBRARY_DEFAULT,
@@ -234,10 +235,10 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         total_steps: int | None = None,
     ) -> None:
         # arguments left out take the library's defaults, or the papers' (optim/defaults.py)
-        (var_freeze_step, scale_per_tensor, update_clip, clip_synced_momentum, warmup_bits, var_update_scaler,
-         momentum_correction) = resolve_defaults(
+        (var_freeze_step, scale_per_tensor, scale_block, update_clip, clip_synced_momentum, warmup_bits,
+         var_update_scaler, momentum_correction) = resolve_defaults(
             "ZeroOneAdam", defaults, var_freeze_step=var_freeze_step, scale_per_tensor=scale_per_tensor,
-            update_clip=update_clip, clip_synced_momentum=clip_synced_momentum, warmup_bits=warmup_bits,
+            scale_block=scale_block, update_clip=update_clip, clip_synced_momentum=clip_synced_momentum, warmup_bits=warmup_bits,
             var_update_scaler=var_update_scaler, momentum_correction=momentum_correction).values()
         self.update_clip = check_update_clip(update_clip)
         self.warmup_bits = check_warmup_bits(warmup_bits)
@@ -255,8 +256,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         check_positive_int(local_step_scaler, "local_step_scaler")
         check_positive_int(local_step_clipper, "local_step_clipper")
         group_defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, group_defaults, scale_per_tensor=scale_per_tensor, check_finite=check_finite,
-                         hierarchical=hierarchical)
+        super().__init__(params, group_defaults, scale_per_tensor=scale_per_tensor, scale_block=scale_block,
+                         check_finite=check_finite, hierarchical=hierarchical)
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper

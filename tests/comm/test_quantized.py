@@ -57,7 +57,10 @@ def test_matches_simulation_bitwise(world_size, width, pieces, kernels):
     record = outs[0]["record"]
     scales = len(sim.worker_cuts) - 1, (max(
         sum(1 for c in sim.server_cuts if j * chunk <= c < (j + 1) * chunk) for j in range(n)) if pieces else 1)
-    assert record["bytes_sent"] == (n - 1) * (4 * scales[0] + 2 * chunk * width // 8 + 4 * scales[1])
+    if pieces:  # a finiteness flag, then each chunk's P_max scales beside its codes, twice
+        assert record["bytes_sent"] == (n - 1) * (4 + 2 * (4 * scales[1] + chunk * width // 8))
+    else:
+        assert record["bytes_sent"] == (n - 1) * (4 * scales[0] + 2 * chunk * width // 8 + 4 * scales[1])
     assert record["rounds"] == 3
 
 

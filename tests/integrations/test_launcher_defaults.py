@@ -110,7 +110,7 @@ def test_help_lists_our_names_and_their_optim_args(patched):
 
     text = " ".join(HfArgumentParser(TrainingArguments).format_help().split())
     assert ("onebit_adam: auto_mask, bias_correction, check_finite, defaults, freeze_step, hierarchical,"
-            " scale_per_tensor, total_steps, update_clip, warmup_bits") in text
+            " scale_block, scale_per_tensor, total_steps, update_clip, warmup_bits") in text
     assert "zeroone_adam:" in text and "freeze_step (= var_freeze_step)" in text
     assert "hf_onebit (through hf_onebit.run): onebit_adam, zeroone_adam, onebit_lamb, binsgdm" in text
     patched.uninstall()
@@ -166,7 +166,8 @@ def _resolved(trainer) -> dict:
     opt = unwrap_optimizer(trainer.create_optimizer())
     out = {"class": type(opt), "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
            "sizes": [len(g["params"]) for g in opt.param_groups]}
-    for attr in ("auto_freeze", "freeze_step", "var_freeze_step", "scale_per_tensor", "update_clip", "warmup_bits",
+    for attr in ("auto_freeze", "freeze_step", "var_freeze_step", "scale_per_tensor", "scale_block", "update_clip",
+                 "warmup_bits",
                  "clip_synced_momentum", "var_update_scaler", "bias_correction", "momentum_correction", "stratified_votes", "fresh_trust_ratio", "seed"):
         out[attr] = getattr(opt, attr, None)
     return out

@@ -24,7 +24,8 @@ def _param():
 
 def _resolved(opt, freeze_name):
     auto = opt.auto_freeze
-    out = dict(scale_per_tensor=opt.scale_per_tensor, update_clip=opt.update_clip, warmup_bits=opt.warmup_bits,
+    out = dict(scale_per_tensor=opt.scale_per_tensor, scale_block=opt.scale_block, update_clip=opt.update_clip,
+               warmup_bits=opt.warmup_bits,
                **{freeze_name: "auto" if auto is not None else getattr(opt, freeze_name)})
     for own in ("clip_synced_momentum", "var_update_scaler", "bias_correction", "momentum_correction",
                 "fresh_trust_ratio"):  # 0/1 Adam's; 1-bit LAMB's
@@ -45,6 +46,9 @@ def test_library_defaults_by_default_and_the_papers_one_switch_away(name):
     assert (given.scale_per_tensor, given.warmup_bits, given.update_clip) == (False, None, 1.0)
     with pytest.raises(ValueError, match="defaults must be one of"):
         cls(_param(), defaults="deepspeed")
+    for bad in (0, 12, 256.0, True):
+        with pytest.raises(ValueError, match="scale_block must be None or a positive multiple of 8"):
+            cls(_param(), scale_block=bad)
 
 
 def test_binsgdm_takes_the_switch_too():
