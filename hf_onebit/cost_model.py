@@ -19,12 +19,12 @@ k·(n-k)/(n-1)·sent``; on 2 nodes of 2 the 1-bit exchange sends 7/12 of its byt
   ``P·r·(4·2d + 2·5d)/(12d²) = 1.5·P·r/d`` elements, vectors (``13d`` a layer) of ``13·P/(12d)``, in
   3 ring all-reduces. ``d`` defaults to ``(128·P/12)^(1/3)`` (``d/128`` layers). Its warmup is
   AdamW's, put at the 1-bit methods' freeze; its matmuls (``≈ 4·r·P`` flops) are not timed.
-* 1-bit exchange (:mod:`hf_onebit.comm.compressed`): all-gather of ``s`` scales ``(n-1)·4s``, all-to-all of the signs
-  ``(n-1)·C/8``, all-gather of ``[s' scales | C/8 signs]`` ``(n-1)·(4s' + C/8)``; ``sent ≈
+* 1-bit exchange (:mod:`hf_onebit.comm.compressed`), one scale per chunk: all-gather of the scales ``(n-1)·4``,
+  all-to-all of the signs ``(n-1)·C/8``, all-gather of ``[scale | C/8 signs]`` ``(n-1)·(4 + C/8)``; ``sent ≈
   2·(n-1)/n·L/8``, ``3(n-1)`` hops. A scale per piece (the library's: tensors cut into blocks
   of 256): round 1 gathers a flag ``(n-1)·4``, and the all-to-all carries each chunk's ``s'``
   scales beside its signs, ``(n-1)·(4s' + C/8)``, ``s' = T_b + C/256 + 1`` for ``T_b`` tensors
-  (``--tensors``, default ``P/1e6``: an upper bound); a scale per chunk (``--tensors 0``): ``s = s' = 1``.
+  (``--tensors``, default ``P/1e6``: an upper bound); a scale per chunk (``--tensors 0``): ``s' = 1``.
   b-bit (the warmups): ``C·b/8`` for ``C/8``. ``--warmup-bits 32``: AdamW's all-reduce.
 * 1-bit exchange by node: shard ``S = ceil(L_b/k)``; fp32 reduce-scatter ``(k-1)·4·(S+1)`` and
   all-gather ``(k-1)·4S`` inside the node, the flat exchange of ``S`` among ``M`` between nodes,
@@ -164,21 +164,20 @@ def ring_allreduce(nbytes: float, lay: Layout) -> Traffic:
 SCALE_BLOCK = LIBRARY["OneBitAdam"]["scale_block"]
 
 
-def piece_counts(numel: int, n: int, tensor_sizes=None, tensors: int | None = None,
-                 block: int | None = SCALE_BLOCK) -> tuple[int, int]:
-    """``(s, s')``: worker scales per rank and the most server scales of one chunk in one call:
-    exact for ``tensor_sizes`` (the piece sizes a :class:`~hf_onebit.comm.CompressedAllReduce`
+def chunk_scales(numel: int, n: int, tensor_sizes=None, tensors: int | None = None,
+                 block: int | None = SCALE_BLOCK) -> int:
+    """``s'``, the most scales of one chunk in one call (worker scales in round 2, server scales in
+    round 3): exact for ``tensor_sizes`` (the piece sizes a :class:`~hf_onebit.comm.CompressedAllReduce`
     is given, cut as it cuts them), the bound for a count of ``tensors`` cut into blocks of
     ``block``, one scale per chunk for neither."""
     L = padded_length(int(numel), n)
     C = L // n
     if tensor_sizes is not None:
         bounds = piece_bounds(list(tensor_sizes), L, n)
-        return len(bounds) - 1, max(sum(1 for a in bounds[:-1] if j * C <= a < (j + 1) * C) for j in range(n))
+        return max(sum(1 for a in bounds[:-1] if j * C <= a < (j + 1) * C) for j in range(n))
     if not tensors:
-        return 1, 1
-    cut = -(-L // block) if block else 0  # block boundaries, at most
-    return int(tensors) + cut + n - 1, int(tensors) + (-(-C // block) if block else 0) + 1
+        return 1
+    return int(tensors) + (-(-C // block) if block else 0) + 1
 
 
 def compressed(numel: int, lay: Layout, width: int = 1, tensor_sizes=None, tensors: int | None = None,
@@ -188,7 +187,7 @@ def compressed(numel: int, lay: Layout, width: int = 1, tensor_sizes=None, tenso
     if n == 1:
         return Traffic()
     C = padded_length(int(numel), n) // n
-    s, s_max = piece_counts(numel, n, tensor_sizes, tensors, block)
+    s_max = chunk_scales(numel, n, tensor_sizes, tensors, block)
     if tensor_sizes is None and not tensors:  # one scale per rank and chunk: all-gathered in round 1
         scales, codes, payload = (n - 1) * 4, (n - 1) * (C * width // 8), (n - 1) * (4 + C * width // 8)
     else:  # a finiteness flag, then each chunk's piece scales beside its codes

@@ -150,6 +150,12 @@ class _Codec:
             setattr(self, name, op if width == 1 else functools.partial(op, width=width))
 
 
+@functools.lru_cache(maxsize=None)
+def _codec(kernels: ModuleType, width: int) -> _Codec:
+    """One :class:`_Codec` per backend and width, made once (calls run on every bucket of every step)."""
+    return _Codec(kernels, width)
+
+
 class ErrorFeedback:
     """One pair of error buffers: the worker's (``L`` fp32 elements) and the server's (``C``).
 
@@ -257,7 +263,6 @@ class CompressedAllReduce:
         self._bounds: Bounds | None = None
         if self.piece_sizes is not None and n > 1 and self.padded_numel > 0:
             self._setup_pieces(piece_bounds(self.piece_sizes, self.padded_numel, n))
-        #: work buffers of the b-bit exchange, by width, made on its first call (see :meth:`reset`)
         #: work buffers by width, made on a width's first call (see :meth:`reset`)
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -280,7 +285,7 @@ class CompressedAllReduce:
         return self.coded_errors
 
     def _setup_pieces(self, bounds: list[int]) -> None:
-        """Static piece layout (the work buffers come per width, :meth:`_piece_buffers`)."""
+        """Static piece layout (the work buffers come per width, :meth:`_work_buffers`)."""
         n, C = self.world_size, self.chunk
         # Bounds own the backend's tables for this layout (built on first use, kept while this
         # all-reduce lives: nothing is rebuilt per call, whatever the number of segments).
@@ -331,13 +336,15 @@ class CompressedAllReduce:
         self.stats.record(self.bytes_per_call(width))
         return out
 
-    def _work_buffers(self, width: int, scales_per_row: int) -> dict[str, torch.Tensor]:
+    def _work_buffers(self, width: int) -> dict[str, torch.Tensor]:
         """The work buffers of calls at ``width`` bits (made once; :meth:`reset` frees the b-bit
-        ones). Rows of ``[4·scales_per_row bytes of scales | C·width/8 bytes of codes]``, one per
-        chunk: what round 2 sends with one scale per piece, and what round 3 gathers."""
+        ones). Rows of ``[4·S bytes of scales | C·width/8 bytes of codes]``, one per chunk, ``S``
+        the most scales of a chunk (1, or ``P_max`` pieces): what round 2 sends with one scale per
+        piece, and what round 3 gathers."""
         bufs = self._buffers.get(width)
         if bufs is None:
             n, C = self.world_size, self.chunk
+            scales_per_row = self.max_chunk_pieces if self._bounds is not None else 1
             u8 = dict(dtype=torch.uint8, device=self.device)
             row = 4 * scales_per_row + C * width // 8
             bufs = self._buffers[width] = dict(
@@ -356,8 +363,8 @@ class CompressedAllReduce:
 
     def _call_chunks(self, x, out, worker_error, server_error, width: int) -> None:
         """The three rounds with one scale per rank and chunk (the spec's; see the module docstring)."""
-        k, n, group = _Codec(self.kernels, width), self.world_size, self.group
-        bufs = self._work_buffers(width, 1)
+        k, n, group = _codec(self.kernels, width), self.world_size, self.group
+        bufs = self._work_buffers(width)
         # (stage(...): the time of each part, for the logs and the profiler; see comm/stats.py)
         # Round 1: worker scales. Every rank learns every rank's scale (and its finiteness).
         with stage("pack"):
@@ -390,8 +397,8 @@ class CompressedAllReduce:
         """The three rounds with one scale per piece, at ``width`` bits (see the module docstring)."""
         n, group, P = self.world_size, self.group, self.num_pieces
         bounds, local = self._bounds, self._local_bounds
-        k = _Codec(self.kernels, width)
-        bufs = self._work_buffers(width, self.max_chunk_pieces)
+        k = _codec(self.kernels, width)
+        bufs = self._work_buffers(width)
         head = 4 * self.max_chunk_pieces
 
         # Round 1: whether every rank's scales are finite. One non-finite scale anywhere poisons
