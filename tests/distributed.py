@@ -12,6 +12,7 @@ runs (``allow_dead``).
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import socket
@@ -57,6 +58,7 @@ def _serialised(out) -> bytes:
 
 
 def _worker(rank, world_size, port, fn, args, env, results, pg_timeout):
+    faulthandler.enable()  # a rank that dies on a signal prints its Python stack to the test's stderr
     _set_rank_env(rank, world_size, env)
     try:
         _join_gloo(rank, world_size, port, pg_timeout)
@@ -69,6 +71,7 @@ def _worker(rank, world_size, port, fn, args, env, results, pg_timeout):
 
 
 def _pool_worker(rank, world_size, port, inbox, results, pg_timeout):
+    faulthandler.enable()
     _join_gloo(rank, world_size, port, pg_timeout)
     base_env = dict(os.environ)
     while True:
@@ -123,7 +126,7 @@ class _Pool:
                 if not self.results.empty():
                     rank, status, out, ok = self.results.get()
                     if status == "error":
-                        raise AssertionError(f"rank {rank} failed:\n{out}")
+                        raise AssertionError(self._failure(rank, out))
                     got[rank] = torch.load(io.BytesIO(out), weights_only=False)
                     usable = usable and ok
                 elif any(p.exitcode is not None for p in self.procs):
@@ -141,6 +144,20 @@ class _Pool:
             if not usable:
                 self.close()
         return [got[r] for r in range(self.world_size)]
+
+    def _failure(self, rank: int, out: str) -> str:
+        """What to report when ``rank`` failed: its traceback, the other ranks' errors and every
+        exit code (a peer that died first, on a signal, is often the cause of this rank's error)."""
+        import time
+
+        time.sleep(1.0)
+        lines = [f"rank {rank} failed:\n{out}"]
+        while not self.results.empty():
+            other, status, text, _ = self.results.get()
+            if status == "error":
+                lines.append(f"rank {other} failed too:\n{text}")
+        lines.append(f"exit codes {[p.exitcode for p in self.procs]} (negative: killed by that signal)")
+        return "\n".join(lines)
 
     @property
     def alive(self) -> bool:

@@ -110,13 +110,20 @@ def padded_length(numel: int, world_size: int) -> int:
     return -(-numel // unit) * unit
 
 
-def blocks(piece_sizes, block: int) -> list[int]:
-    """``piece_sizes`` with each piece cut into pieces of at most ``block`` elements, in order
-    (the pieces of a piece that is not a multiple of ``block`` end with the remainder)."""
-    out = []
-    for size in map(int, piece_sizes):
-        out += [block] * (size // block) + ([size % block] if size % block else [])
-    return out
+def scale_pieces(numel: int, piece_sizes, scale_block: int | None) -> tuple[int, ...] | None:
+    """The pieces that get a scale each: ``piece_sizes`` (default: the whole buffer) cut into
+    blocks of at most ``scale_block`` elements, in order (a piece that is not a multiple of the
+    block ends with the remainder); ``piece_sizes`` as given when ``scale_block`` is ``None``."""
+    if piece_sizes is not None:
+        piece_sizes = tuple(int(v) for v in piece_sizes)
+        if sum(piece_sizes) != numel:
+            raise ValueError(f"piece_sizes sum to {sum(piece_sizes)}, the buffer has {numel} elements")
+    if scale_block is None:
+        return piece_sizes
+    out: list[int] = []
+    for size in piece_sizes or (numel,):
+        out += [scale_block] * (size // scale_block) + ([size % scale_block] if size % scale_block else [])
+    return tuple(out)
 
 
 def piece_bounds(piece_sizes, padded_numel: int, world_size: int) -> list[int]:
@@ -222,6 +229,9 @@ class CompressedAllReduce:
             their own, made on the first such call and freed by :meth:`reset` (4 bytes per
             element while they live), for callers whose b-bit and 1-bit calls alternate (see the
             module docstring). Default ``False``: one pair for every width.
+        scale_block: cut every piece (or, without ``piece_sizes``, the buffer) into blocks of at
+            most this many elements, each with its own scale (:func:`scale_pieces`). Default
+            ``None``: no cutting.
     """
 
     def __init__(
@@ -234,6 +244,7 @@ class CompressedAllReduce:
         deferred_commit: bool = False,
         piece_sizes=None,
         separate_coded_errors: bool = False,
+        scale_block: int | None = None,
     ) -> None:
         self.numel = int(numel)
         self.deferred_commit = deferred_commit
@@ -257,9 +268,7 @@ class CompressedAllReduce:
                                     self.device, deferred_commit)
         #: the b-bit calls' own pair (``separate_coded_errors``), made on the first such call
         self.coded_errors: ErrorFeedback | None = None
-        self.piece_sizes = None if piece_sizes is None else tuple(int(v) for v in piece_sizes)
-        if self.piece_sizes is not None and sum(self.piece_sizes) != self.numel:
-            raise ValueError(f"piece_sizes sum to {sum(self.piece_sizes)}, the buffer has {self.numel} elements")
+        self.piece_sizes = scale_pieces(self.numel, piece_sizes, scale_block)
         self._bounds: Bounds | None = None
         if self.piece_sizes is not None and n > 1 and self.padded_numel > 0:
             self._setup_pieces(piece_bounds(self.piece_sizes, self.padded_numel, n))

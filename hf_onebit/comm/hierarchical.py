@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from hf_onebit.comm.allreduce import finite_flag
 from hf_onebit.comm.compat import all_gather_into_tensor
-from hf_onebit.comm.compressed import CompressedAllReduce
+from hf_onebit.comm.compressed import CompressedAllReduce, scale_pieces
 from hf_onebit.comm.executor import executor_for
 from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, leaving_node
 from hf_onebit.comm.topology import NodeTopology
@@ -80,13 +80,14 @@ class HierarchicalCompressedAllReduce:
         kernels, deferred_commit, separate_coded_errors: as for :class:`~hf_onebit.comm.CompressedAllReduce`.
         stats: every byte this rank sends is counted here (those of the inter-node group also
             as ``inter_node_sent``).
-        piece_sizes: the sizes of the tensors concatenated in the buffer: one scale per tensor
-            piece of each shard (the shard's own piece layout), as in the flat exchange.
+        piece_sizes, scale_block: the sizes of the tensors concatenated in the buffer and the
+            block they are cut into: one scale per piece of each shard (the whole buffer's blocks
+            cut again at the shard's bounds), as in the flat exchange.
     """
 
     def __init__(self, numel: int, device: torch.device | str, nodes: NodeTopology,
                  kernels: str | ModuleType | None = None, stats: CommStats | None = None, deferred_commit: bool = False,
-                 piece_sizes=None, separate_coded_errors: bool = False) -> None:
+                 piece_sizes=None, separate_coded_errors: bool = False, scale_block: int | None = None) -> None:
         if nodes.node_group is None:
             # attach creates them first; a hand-registered hook state reaches here first, on every
             # rank at the same point (its first compressed bucket), as VoteAllGather does
@@ -99,9 +100,7 @@ class HierarchicalCompressedAllReduce:
         k = nodes.local_size
         self.shard = -(-self.numel // k)  # S
         lo = nodes.local_rank * self.shard
-        self.piece_sizes = None if piece_sizes is None else tuple(int(v) for v in piece_sizes)
-        if self.piece_sizes is not None and sum(self.piece_sizes) != self.numel:
-            raise ValueError(f"piece_sizes sum to {sum(self.piece_sizes)}, the buffer has {self.numel} elements")
+        self.piece_sizes = scale_pieces(self.numel, piece_sizes, scale_block)
         inner_pieces = None if self.piece_sizes is None else shard_piece_sizes(self.piece_sizes, lo, self.shard)
         # the 1-bit exchange of this rank's shard among the M nodes (its bytes are counted here)
         self.inner = CompressedAllReduce(self.shard, self.device, group=nodes.inter_group, kernels=kernels,

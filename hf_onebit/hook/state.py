@@ -126,19 +126,16 @@ class OneBitHookState:
         return set().union(*self.layout) if self.layout_step == t else None
 
     def new_compressor(self, numel: int, device: torch.device, piece_sizes: Optional[list] = None,
-                       nodes: Optional[NodeTopology] = None, separate_coded_errors: bool = False) -> Any:
+                       nodes: Optional[NodeTopology] = None, separate_coded_errors: bool = False,
+                       scale_block: Optional[int] = None) -> Any:
         """The compressed all-reduce of a new segment of ``numel`` elements: flat, or by node
         when the optimizer has a node layout (``nodes``, its groups created by ``attach``)."""
+        options = dict(stats=self.optimizer.comm_stats, piece_sizes=piece_sizes, scale_block=scale_block,
+                       separate_coded_errors=separate_coded_errors,
+                       deferred_commit=self.scaled)  # a loss scaler may skip the step
         if nodes is not None:
-            return HierarchicalCompressedAllReduce(
-                numel, device, nodes, stats=self.optimizer.comm_stats, deferred_commit=self.scaled, piece_sizes=piece_sizes,
-                separate_coded_errors=separate_coded_errors,
-            )
-        return CompressedAllReduce(
-            numel, device=device, group=self.process_group, stats=self.optimizer.comm_stats,
-            deferred_commit=self.scaled,  # a loss scaler may skip the step
-            piece_sizes=piece_sizes, separate_coded_errors=separate_coded_errors,
-        )
+            return HierarchicalCompressedAllReduce(numel, device, nodes, **options)
+        return CompressedAllReduce(numel, device=device, group=self.process_group, **options)
 
     def submit(self, device: torch.device, job: Callable[[], torch.Tensor]) -> torch.futures.Future:
         """Queue ``job`` on the ordered executor of this group and device."""

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce
-from hf_onebit.comm.compressed import blocks
 from hf_onebit.comm.segments import Segment, SegmentRegistry
 from hf_onebit.comm.topology import NodeTopology, check_same_local_world_size, node_topology
 from hf_onebit.optim import adam_state, guards, rank_state
@@ -291,9 +290,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         params = self.params_in_order()
         numel = sum(params[i].numel() for i in key)
         piece_sizes = [params[i].numel() for i in key] if self.scale_per_tensor else None
-        if self.scale_block is not None:
-            piece_sizes = blocks(piece_sizes or [numel], self.scale_block)
-        return self.link.new_compressor(numel, device, piece_sizes, self.nodes(),
+        return self.link.new_compressor(numel, device, piece_sizes, self.nodes(), scale_block=self.scale_block,
                                         separate_coded_errors=self.separate_coded_errors)
 
     def segments_covering_all(self, device: torch.device, cap_numel: int = 25 * 2**20 // 4) -> list[Segment]:
