@@ -14,7 +14,8 @@ holds the whole optimizer state (``checkpoint["optimizer"]``), a torch ``state_d
 
 What is taken: ``exp_avg`` and ``exp_avg_sq``, the step (DeepSpeed's counter, one ahead: its step
 ``S`` is ``S - 1`` updates here), and for 1-bit LAMB ``lamb_coeff_freeze``, ``last_factor``,
-``exp_avg_sq_fresh`` and ``scaling_coeff``. What is not: the error buffers (``worker_error`` /
+``exp_avg_sq_fresh`` (where the frozen ratio reads it, ``fresh_trust_ratio=False``) and
+``scaling_coeff``. What is not: the error buffers (``worker_error`` /
 ``server_error``, rank 0's only; DeepSpeed itself dropped them on load) and the sizes DeepSpeed
 padded to. The moments go through :func:`hf_onebit.optim.adam_state.import_adam_state`, the path a
 torch AdamW checkpoint takes.
@@ -139,6 +140,6 @@ def load_deepspeed_state(optimizer: OneBitOptimizer, checkpoint: dict) -> int:
             state["last_factor"].fill_(float(st["last_factor"]))
             if "scaling_coeff" in st:
                 state["scaling"].fill_(float(st["scaling_coeff"]))
-            if "exp_avg_sq_fresh" in st:
-                state["exp_avg_sq_fresh"].copy_(st["exp_avg_sq_fresh"].reshape(p.shape))
+            if "exp_avg_sq_fresh" in st and not optimizer.fresh_trust_ratio:  # only the frozen ratio reads it
+                state["exp_avg_sq_fresh"] = st["exp_avg_sq_fresh"].reshape(p.shape).to(state["exp_avg_sq"], copy=True)
     return optimizer.steps_done

@@ -456,6 +456,26 @@ def test_state_is_fp32_and_survives_state_dict_for_bf16_parameters():
     assert fresh.steps_done == 5 and fresh.phase() == "compression"
 
 
+def test_the_fresh_variance_exists_only_where_the_frozen_ratio_reads_it():
+    """With ``fresh_trust_ratio`` (the library default) no ``v_fresh`` is kept (a model's worth of
+    fp32); a checkpoint saved so resumes with the frozen ratio from ``v_fresh = v``, as at the freeze."""
+    from hf_onebit.optim.onebit_lamb import OneBitLamb
+
+    kwargs = dict(lr=1e-2, freeze_step=3, fresh_trust_ratio=True)
+    opt, model, _ = _run_local(kwargs, 5)
+    assert all("exp_avg_sq_fresh" not in opt.state[p] for p in model.parameters())
+    switched = OneBitLamb(model.parameters(), **dict(kwargs, fresh_trust_ratio=False, defaults="paper"))
+    switched.load_state_dict(opt.state_dict())
+    for p, g in zip(model.parameters(), fixed_grads(6, 0)):
+        p.grad = g
+    frozen_v = {p: opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()}
+    switched.step()
+    for p in model.parameters():
+        st = switched.state[p]
+        assert torch.isfinite(p).all() and not torch.equal(st["exp_avg_sq_fresh"], frozen_v[p])
+        assert torch.equal(st["exp_avg_sq"], frozen_v[p])  # v stays frozen; v_fresh moved on from it
+
+
 # ---------------------------------------------------------------- construction
 def test_defaults_are_the_spec_defaults():
     from hf_onebit.optim.onebit_lamb import OneBitLamb
