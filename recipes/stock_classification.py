@@ -25,6 +25,7 @@ from transformers import (
     HfArgumentParser,
     Trainer,
     TrainingArguments,
+    set_seed,
 )
 
 
@@ -45,6 +46,7 @@ class DataArguments:
 def main():
     model_args, data_args, training_args = HfArgumentParser(
         (ModelArguments, DataArguments, TrainingArguments)).parse_args_into_dataclasses()
+    set_seed(training_args.seed)  # before the model, whose new head is drawn from it (as run_classification.py)
     raw = load_dataset("csv", data_files={"train": data_args.train_file, "validation": data_args.validation_file})
     labels = sorted(set(raw["train"]["label"]))
     label_id = {label: i for i, label in enumerate(labels)}
