@@ -114,10 +114,14 @@ class CommStats:
         with self._lock:
             return CommRecord(**asdict(self.total))
 
-    def restore(self, total: CommRecord) -> None:
-        """Continue counting from ``total`` (a resumed run)."""
+    def state_dict(self) -> dict[str, int]:
+        """The running totals as plain integers (for a checkpoint)."""
+        return asdict(self.snapshot())
+
+    def load_state_dict(self, totals: dict) -> None:
+        """Continue counting from :meth:`state_dict`'s ``totals`` (a resumed run)."""
         with self._lock:
-            self.total = CommRecord(**asdict(total))
+            self.total = CommRecord(**{k: int(v) for k, v in totals.items()})
 
 
 # ---------------------------------------------------------------------------------------- time

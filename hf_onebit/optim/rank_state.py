@@ -6,10 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import TYPE_CHECKING
-
-from hf_onebit.comm import CommRecord
 
 if TYPE_CHECKING:
     from hf_onebit.optim.base import OneBitOptimizer
@@ -28,7 +25,7 @@ def save(opt: OneBitOptimizer) -> dict:
         # uninterrupted run's buckets were.
         "layout": list(opt.link.layout) if opt.link is not None else [],
         # This rank's traffic so far, so cumulative figures continue across a resume.
-        "comm_total": asdict(opt.comm_stats.snapshot()),
+        "comm_total": opt.comm_stats.state_dict(),
     }
 
 
@@ -61,7 +58,7 @@ def load(opt: OneBitOptimizer, state: dict) -> None:
             " its error buffers belong to other buffers: resume with the same node layout (LOCAL_WORLD_SIZE, hierarchical),"
             " or start the per-rank state afresh with on_mismatch='reset' (user guide: API reference, 'Per-rank state')"
         )
-    opt.comm_stats.restore(CommRecord(**{k: int(v) for k, v in state["comm_total"].items()}))
+    opt.comm_stats.load_state_dict(state["comm_total"])
     opt._stats_at_last_step = opt.comm_stats.snapshot()
     pending: dict = dict(state["segments"])
     covered = set().union(*pending) if pending else set()
