@@ -272,9 +272,10 @@ def _numbers(cell: str) -> list[str]:
 
 def test_the_speed_table_is_the_stored_benchmark():
     """results.md's network table and the which-optimizer table's speeds reprint the stored runs
-    (docs/img/defaults/network.json; 0/1 Adam's row: network_zeroone.json)."""
+    (docs/img/defaults/network.json; 0/1 Adam's row: network_zeroone.json; at the current defaults:
+    network_blocks.json, network_60.json)."""
     figures = set()
-    for stored in ("network.json", "network_zeroone.json"):
+    for stored in ("network.json", "network_zeroone.json", "network_blocks.json", "network_60.json"):
         report = subprocess.run([sys.executable, "benchmarks/network.py", "--report-from", f"docs/img/defaults/{stored}"],
                                 cwd=REPO, capture_output=True, text=True, timeout=120)
         assert report.returncode == 0, report.stderr[-3000:]
