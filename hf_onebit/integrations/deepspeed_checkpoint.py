@@ -141,5 +141,5 @@ def load_deepspeed_state(optimizer: OneBitOptimizer, checkpoint: dict) -> int:
             if "scaling_coeff" in st:
                 state["scaling"].fill_(float(st["scaling_coeff"]))
             if "exp_avg_sq_fresh" in st and not optimizer.fresh_trust_ratio:  # only the frozen ratio reads it
-                state["exp_avg_sq_fresh"] = st["exp_avg_sq_fresh"].reshape(p.shape).to(state["exp_avg_sq"], copy=True)
+                state["exp_avg_sq_fresh"].copy_(st["exp_avg_sq_fresh"].reshape(p.shape))
     return optimizer.steps_done

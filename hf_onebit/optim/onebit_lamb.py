@@ -99,7 +99,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     Adam, ``clip_grad_norm_`` in the compression phase clips the momentum, not a gradient.
 
     All state is per parameter and fp32: ``exp_avg`` (m), ``exp_avg_sq`` (v, frozen after F),
-    ``exp_avg_sq_fresh`` (v_fresh, from the freeze, without ``fresh_trust_ratio``), ``coeff_frozen`` (c_frozen), ``last_factor`` (f_last),
+    ``exp_avg_sq_fresh`` (v_fresh, only without ``fresh_trust_ratio``), ``coeff_frozen`` (c_frozen), ``last_factor`` (f_last),
     ``scaling``, and the compression mask. Error-feedback buffers are per rank
     (:meth:`rank_state_dict`).
 
@@ -293,10 +293,21 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 torch._foreach_div_([r for r, _ in scaled], [s for _, s in scaled])
         super().finish_bucket(plan, params, results, grads, scale)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As the base class; where the frozen ratio reads the fresh variance and the checkpoint,
+        saved with ``fresh_trust_ratio``, has none, it starts as ``v``, as at the freeze."""
+        super().load_state_dict(state_dict)
+        if not self.fresh_trust_ratio:
+            for state in self.state.values():
+                if "exp_avg_sq" in state and "exp_avg_sq_fresh" not in state:
+                    state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
+
     # ---------------------------------------------------------------- step
     def _init_extra_state(self, p: torch.Tensor, state: dict) -> None:
-        """The frozen trust ratio, the last factor and the momentum scaling (the fresh variance,
-        a copy of ``v`` made at the freeze, only where the frozen ratio's factor needs it)."""
+        """The frozen trust ratio, the last factor, the momentum scaling and, where the frozen
+        ratio's factor reads it (``fresh_trust_ratio=False``), the fresh variance."""
+        if not self.fresh_trust_ratio:
+            state["exp_avg_sq_fresh"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         scalar = dict(dtype=torch.float32, device=p.device)
         state["coeff_frozen"] = torch.zeros((), **scalar)
         state["last_factor"] = torch.ones((), **scalar)
@@ -407,7 +418,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         with_factor = not self.fresh_trust_ratio  # the fresh variance serves only the factor
         okf = None if ok is None else ok.float()
         if with_factor:  # v_fresh from the gradient rebuilt before m moves; masked: kept where ok fails
-            v_fresh = self._fresh_variance(chunk.states)
+            v_fresh = chunk.state("exp_avg_sq_fresh")
             g_rec = torch._foreach_sub(new_m, m, alpha=beta1)
             torch._foreach_div_(g_rec, 1 - beta1)  # (m − β1·m_prev)/(1−β1)
             if okf is not None:
@@ -489,15 +500,6 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         for chunk, u, ns, xs in parts:
             finish(chunk, u, [next(norms) for _ in ns], [next(maxima) for _ in xs], ok)
 
-    @staticmethod
-    def _fresh_variance(states: list[dict]) -> list[torch.Tensor]:
-        """``v_fresh`` of each state; a state without one (saved with ``fresh_trust_ratio``, which
-        never reads it) starts from the frozen ``v``, as at the freeze."""
-        for st in states:
-            if "exp_avg_sq_fresh" not in st:
-                st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
-        return [st["exp_avg_sq_fresh"] for st in states]
-
     def _freeze(self) -> None:
         """End of step ``freeze_step``: ``v_fresh = v``, momentum scaling ratios, masks.
 
@@ -507,8 +509,8 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         """
         params = [p for p in self.params_in_order() if "exp_avg" in self.state.get(p, {})]
         if not self.fresh_trust_ratio:
-            for st in map(self.state.get, params):
-                st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
+            for p in params:
+                self.state[p]["exp_avg_sq_fresh"].copy_(self.state[p]["exp_avg_sq"])
         moments = [self.state[p]["exp_avg"] for p in params]
         if params and self.link is not None and self.link.sharded:  # FSDP2 shards: RMS of the whole tensors
             device = moments[0].device
