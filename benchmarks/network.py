@@ -65,7 +65,7 @@ Reported per method
   switch pay DDP's bucket rebuild and buffer allocation) and over the *whole run* (step 1 to the
   end), as global samples over the slowest rank's wall time; the ratio to AdamW.
 * bytes sent per rank per step and collective rounds per step, in both windows.
-  hf_onebit optimizers: their own counters (``optimizer.comm_stats``, accounting of
+  hf_onebit optimizers: their own counters (``optimizer.exchange.stats``, accounting of
   hf_onebit/comm/stats.py). Torch hooks: ``torch.distributed.all_reduce`` is wrapped while they
   run and every call is counted with the same rule (ring all-reduce: ``2(n-1)/n`` times the
   tensor's bytes, one round per call). AdamW (DDP's C++ reducer, no Python call to wrap):

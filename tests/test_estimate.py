@@ -110,7 +110,7 @@ def _ddp_steps(rank, world_size, steps):
         torch.nn.functional.cross_entropy(ddp(x), (x[:, 0] > 0).long()).backward()
         opt.step()
         opt.zero_grad()
-        total = opt.comm_stats.snapshot().bytes_sent
+        total = opt.exchange.stats.snapshot().bytes_sent
         per_step.append(total - before)
         before = total
     return {"per_step": per_step, "params": sum(p.numel() for p in model.parameters())}

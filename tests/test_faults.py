@@ -80,14 +80,14 @@ def test_a_local_failure_in_a_communication_job_does_not_blame_a_peer():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     with pytest.raises(LocalFailure, match=r"not a network error.*HF_ONEBIT_KERNELS=reference") as got:
-        link._with_context(7, Plan.COMPRESS_MOMENTUM, out_of_memory)()
+        link.optimizer.exchange.in_context(7, Plan.COMPRESS_MOMENTUM, out_of_memory)()
     assert "probably died" not in str(got.value)
 
     def peer_gone():
         raise RuntimeError("[/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
 
     with pytest.raises(CommunicationError, match="Another rank has probably died"):
-        link._with_context(7, Plan.COMPRESS_MOMENTUM, peer_gone)()
+        link.optimizer.exchange.in_context(7, Plan.COMPRESS_MOMENTUM, peer_gone)()
 
 
 def _link():
@@ -113,7 +113,7 @@ def test_on_cuda_a_failed_collective_may_be_an_earlier_kernel_of_this_rank(monke
     peer_gone = RuntimeError("[/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(CommunicationError) as got:
-        _link()._with_context(7, Plan.COMPRESS_MOMENTUM, _raising(peer_gone))()
+        _link().optimizer.exchange.in_context(7, Plan.COMPRESS_MOMENTUM, _raising(peer_gone))()
     message = str(got.value)
     assert "Another rank has probably died" not in message  # the survivors' wording of a CPU run
     assert "another rank has died" in message and "a kernel failed earlier on this rank" in message
@@ -122,7 +122,7 @@ def test_on_cuda_a_failed_collective_may_be_an_earlier_kernel_of_this_rank(monke
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a CPU run: the peer is the suspect
     with pytest.raises(CommunicationError, match="Another rank has probably died") as got:
-        _link()._with_context(7, Plan.COMPRESS_MOMENTUM, _raising(peer_gone))()
+        _link().optimizer.exchange.in_context(7, Plan.COMPRESS_MOMENTUM, _raising(peer_gone))()
     assert "CUDA_LAUNCH_BLOCKING" not in str(got.value)
 
 
@@ -139,7 +139,7 @@ def test_an_error_of_the_cuda_runtime_is_never_blamed_on_a_peer(error, monkeypat
     assert not is_distributed_failure(error)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(LocalFailure, match="not a network error") as got:
-        _link()._with_context(3, Plan.COMPRESS_GRADIENT, _raising(error))()
+        _link().optimizer.exchange.in_context(3, Plan.COMPRESS_GRADIENT, _raising(error))()
     message = str(got.value)
     assert "earlier kernel on this rank" in message and "CUDA_LAUNCH_BLOCKING=1" in message
     assert "HF_ONEBIT_KERNELS=reference" in message and "probably died" not in message
@@ -151,5 +151,5 @@ def test_a_local_failure_on_cuda_says_the_error_may_come_from_an_earlier_kernel(
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(LocalFailure, match="not a network error") as got:
-        _link()._with_context(3, Plan.COMPRESS_GRADIENT, _raising(ValueError("bad shape")))()
+        _link().optimizer.exchange.in_context(3, Plan.COMPRESS_GRADIENT, _raising(ValueError("bad shape")))()
     assert "earlier kernel on this rank" in str(got.value) and "CUDA_LAUNCH_BLOCKING=1" in str(got.value)

@@ -223,7 +223,7 @@ def test_world_size_one_runs_uncompressed_adam_with_frozen_variance():
                 p -= 1e-2 * (m[k] / (1 - 0.9**t)) / (vhat.sqrt() + 1e-8)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
-    assert opt.comm_stats.snapshot().bytes_sent == 0
+    assert opt.exchange.stats.snapshot().bytes_sent == 0
 
 
 def _mismatched_hyperparameters(rank, world_size, what):

@@ -7,6 +7,7 @@
 * Without the ``hf`` extra (transformers, accelerate) and without Triton, the core works and the
   parts that need them say what to install; on CUDA a missing Triton is an error, never a silent
   fallback to other kernels.
+* The layers import one way: ``kernels -> comm -> exchange -> optim -> hook``.
 * The wheel, installed into a fresh virtual environment, runs from a folder outside the checkout:
   ``hf-onebit check``, ``hf-onebit config`` and an unmodified Trainer script through the launcher
   (marked slow: it installs packages).
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import json
 import os
@@ -86,6 +88,38 @@ def _floor(req: Requirement) -> Version:
 
 def _extra(name: str) -> list[Requirement]:
     return _requirements(PYPROJECT["optional-dependencies"][name])
+
+
+#: The package's lower layers, lowest first: each imports from the package only layers before it.
+LAYERS = ["kernels", "comm", "exchange", "optim", "hook"]
+#: lower layers a layer still may not import: the optimizers reach the network only through
+#: their exchange
+BYPASSES = {"optim": {"comm"}}
+
+
+def _package_imports(path: Path) -> set[str]:
+    """The ``hf_onebit`` subpackages and modules a file imports, anywhere in it (functions included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            modules = [node.module or ""] if node.level == 0 else []
+        elif isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        else:
+            continue
+        names.update(m.split(".")[1] for m in modules if m.startswith("hf_onebit."))
+    return names
+
+
+def test_the_layers_import_one_way():
+    package = REPO / "hf_onebit"
+    wrong = []
+    for k, layer in enumerate(LAYERS):
+        files = sorted((package / layer).rglob("*.py")) if (package / layer).is_dir() else [package / f"{layer}.py"]
+        allowed = set(LAYERS[: k + 1]) - BYPASSES.get(layer, set())
+        for path in files:
+            wrong += [f"{path.relative_to(REPO)} imports hf_onebit.{m}" for m in sorted(_package_imports(path) - allowed)]
+    assert not wrong, wrong
 
 
 def test_core_dependencies_are_floors_of_torch_numpy_numba_only():

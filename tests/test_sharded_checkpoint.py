@@ -90,7 +90,7 @@ def _other_mesh(rank, world_size, save_dir, on_mismatch):
         return str(exc), opt.steps_done, len(opt.state)  # refused before the optimizer changed
     moments = [opt.state[p]["exp_avg"] for p in opt.params_in_order()]
     same = all(torch.equal(m, saved[f"optimizer.state.{n}.exp_avg"]) for n, m in zip(names, moments))
-    return loaded, same, opt.steps_done, len(opt.segments.keys())
+    return loaded, same, opt.steps_done, len(opt.exchange.segments.keys())
 
 
 def test_another_mesh_is_refused_or_reset_with_resharded_moments(tmp_path):

@@ -63,14 +63,14 @@ def test_link_summary_window_and_heads():
 def test_nodes_methods_build_hierarchical(method):
     args = SimpleNamespace(onebit_args=None, steps=20, lr=1e-4, lamb_lr=1e-3)
     params = [torch.nn.Parameter(torch.zeros(8))]
-    assert onebit_optimizer(method, params, args, 4).hierarchical is True
-    assert onebit_optimizer(method[: -len("_nodes")], params, args, 4).hierarchical is False
+    assert onebit_optimizer(method, params, args, 4).exchange.hierarchical is True
+    assert onebit_optimizer(method[: -len("_nodes")], params, args, 4).exchange.hierarchical is False
     assert method in LABELS
 
 
 def test_binsgdm_stays_flat_unless_asked():
     args = SimpleNamespace(onebit_args=None, steps=20, lr=1e-4, lamb_lr=1e-3)
     params = [torch.nn.Parameter(torch.zeros(8))]
-    assert onebit_optimizer("binsgdm", params, args, 4).hierarchical is False
+    assert onebit_optimizer("binsgdm", params, args, 4).exchange.hierarchical is False
     args.onebit_args = '{"hierarchical": null}'
-    assert onebit_optimizer("binsgdm", params, args, 4).hierarchical is None
+    assert onebit_optimizer("binsgdm", params, args, 4).exchange.hierarchical is None

@@ -199,7 +199,7 @@ class HSDPCount:
         nodes = dist.get_world_size() // local
         every, trained = _param_bytes(model)
         self.intra = (local - 1) * (every + trained) // local
-        self.onebit = hasattr(opt, "comm_stats")
+        self.onebit = hasattr(opt, "exchange")
         if not self.onebit:  # hf_onebit counts its own (its group holds one rank per node: all of it crosses)
             opt.inter_node_stats = CommStats()
             self.record = CommRecord(bytes_sent=allreduce_bytes(trained // local, nodes), rounds=1)
@@ -217,7 +217,7 @@ class HSDPCount:
             self.opt.inter_node_stats.record(self.record)
 
     def read(self) -> tuple[int, int]:
-        inter = self.opt.comm_stats.snapshot() if self.onebit else self.opt.inter_node_stats.snapshot()
+        inter = self.opt.exchange.stats.snapshot() if self.onebit else self.opt.inter_node_stats.snapshot()
         return self.steps * self.intra + inter.bytes_sent, 2 * self.steps + inter.rounds
 
 
@@ -367,7 +367,7 @@ class OneBitCount:
         pass
 
     def read(self) -> tuple[int, int]:
-        s = self.opt.comm_stats.snapshot()
+        s = self.opt.exchange.stats.snapshot()
         return s.bytes_sent, s.rounds
 
 

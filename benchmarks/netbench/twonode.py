@@ -200,7 +200,7 @@ def node_probe(veth: str):
 
     def probe(opt) -> dict:
         inter = getattr(opt, "inter_node_stats", None)  # a baseline's count (netbench.methods)
-        stats = getattr(opt, "comm_stats", None)
+        stats = getattr(getattr(opt, "exchange", None), "stats", None)
         if inter is not None:
             crossed = inter.snapshot().bytes_sent
         else:

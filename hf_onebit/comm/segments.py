@@ -86,8 +86,9 @@ class Segment:
 class SegmentRegistry:
     """The segments of one optimizer, with the saved state of those not built yet.
 
-    ``new_compressor(key, device)`` builds the compressed all-reduce of a new segment (the
-    optimizer knows the parameter sizes, the process group and whether commits are deferred).
+    ``new_compressor(key, device)`` builds the compressed all-reduce of a new segment (its owner,
+    :class:`hf_onebit.exchange.Exchange`, knows the parameter sizes, the process group and
+    whether commits are deferred).
     """
 
     def __init__(self, new_compressor: Callable[[Key, torch.device], CompressedAllReduce]) -> None:

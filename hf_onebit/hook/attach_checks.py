@@ -139,7 +139,7 @@ def run_self_test(optimizer: OneBitOptimizer) -> None:
 def create_node_groups(optimizer: OneBitOptimizer) -> None:
     """The exchange by node: every rank creates every subgroup, in the same order, here and not
     inside a backward pass (a collective)."""
-    nodes = optimizer.nodes()
+    nodes = optimizer.exchange.nodes()
     if nodes is None:
         return
     nodes.create_groups()
@@ -184,7 +184,7 @@ def _fingerprint(optimizer: OneBitOptimizer) -> dict:
     """What must be identical on every rank: class, hyperparameters, counters, parameter shapes."""
     return {
         "optimizer": type(optimizer).__name__,
-        "hierarchical": optimizer.hierarchical,
+        "hierarchical": optimizer.exchange.hierarchical,
         "global": optimizer.global_state(),
         "param_groups": [
             {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}

@@ -331,7 +331,7 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
         raise UnsupportedSetup(
             f"hf_onebit.attach: the model is sharded over all {world} ranks, so there is no replica to exchange with"
             " and nothing to compress (FSDP's own reduce-scatter carries all the traffic)." + _LAYOUT)
-    if shard_size > 1 and optimizer.hierarchical:
+    if shard_size > 1 and optimizer.exchange.hierarchical:
         raise UnsupportedSetup("hf_onebit.attach: hierarchical=True with FSDP2: the replica's mesh already"
                                " keeps full precision inside a node; leave hierarchical off.")
     layouts = [_layout(name, group) for name, _, group in modules]
@@ -353,7 +353,7 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
             agree_group, _ = dist.new_subgroups_by_enumeration(replicas, backend="gloo")
         # The exchange between replicas is flat: "auto" must not find a node layout in a group
         # that holds one rank per node.
-        optimizer.hierarchical = False
+        optimizer.exchange.hierarchical = False
     state = FSDPHookState(optimizer, cross, shard_group, agree_group=agree_group)
     state.owners = [(p, param_of[id(p)]) for p in optimizer.params_in_order() if id(p) in param_of]
     name_of = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}

@@ -11,27 +11,25 @@ is about DDP rather than about the optimizer's maths:
 * the layout memory: which parameters the hook saw for which step, so that ``step()`` can refuse
   gradients that were never exchanged, and a resume splits buckets as the uninterrupted run did.
 
-The optimizer reaches the network only through this state (its ``link``): it builds compressors
-with :meth:`OneBitHookState.new_compressor`, queues a compressed all-reduce inside ``step()`` with
-:meth:`OneBitHookState.compress_async` (0/1 Adam's sync), and asks :meth:`OneBitHookState.covered`
-which parameters were exchanged for a step.
+What goes on the wire (segments, error buffers, counters, the node layout) belongs to the
+optimizer's :class:`~hf_onebit.exchange.Exchange`, whose ``link`` this state becomes: it brings
+the process group and the loss scaler. Inside ``step()`` the optimizer queues a compressed
+all-reduce with :meth:`~hf_onebit.exchange.Exchange.sync_async` (0/1 Adam's sync), and asks
+:meth:`OneBitHookState.covered` which parameters were exchanged for a step.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from hf_onebit.comm import CompressedAllReduce, MeanAllReduce, executor_for
+from hf_onebit.comm import MeanAllReduce
 from hf_onebit.comm.allreduce import finite_flag, poison_unless_all_finite_
-from hf_onebit.comm.failures import with_failure_context
-from hf_onebit.comm.hierarchical import HierarchicalCompressedAllReduce
-from hf_onebit.comm.segments import Segment
-from hf_onebit.comm.topology import NodeTopology
 from hf_onebit.hook.buckets import bucket_gradients, compress_bucket
-from hf_onebit.optim import OneBitOptimizer, Plan
+from hf_onebit.exchange import Plan
+from hf_onebit.optim import OneBitOptimizer
 
 _REPEAT = (
     "hf_onebit: the communication hook ran twice for the same bucket before optimizer.step()."
@@ -105,7 +103,7 @@ class OneBitHookState:
         """The fp32 mean all-reduce over ``process_group`` (one for every bucket: it reads the node
         layout once)."""
         if self._mean is None:
-            self._mean = MeanAllReduce(self.process_group, self.optimizer.comm_stats)
+            self._mean = MeanAllReduce(self.process_group, self.optimizer.exchange.stats)
         return self._mean
 
     # ---------------------------------------------------------------- the optimizer's handle
@@ -124,28 +122,6 @@ class OneBitHookState:
         """The optimizer indices of the parameters the hook saw for step ``t`` (``None``: it did
         not run for ``t``)."""
         return set().union(*self.layout) if self.layout_step == t else None
-
-    def new_compressor(self, numel: int, device: torch.device, piece_sizes: Optional[list] = None,
-                       nodes: Optional[NodeTopology] = None, separate_coded_errors: bool = False,
-                       scale_block: Optional[int] = None) -> Any:
-        """The compressed all-reduce of a new segment of ``numel`` elements: flat, or by node
-        when the optimizer has a node layout (``nodes``, its groups created by ``attach``)."""
-        options = dict(stats=self.optimizer.comm_stats, piece_sizes=piece_sizes, scale_block=scale_block,
-                       separate_coded_errors=separate_coded_errors,
-                       deferred_commit=self.scaled)  # a loss scaler may skip the step
-        if nodes is not None:
-            return HierarchicalCompressedAllReduce(numel, device, nodes, **options)
-        return CompressedAllReduce(numel, device=device, group=self.process_group, **options)
-
-    def submit(self, device: torch.device, job: Callable[[], torch.Tensor]) -> torch.futures.Future:
-        """Queue ``job`` on the ordered executor of this group and device."""
-        return executor_for(self.process_group, device).submit(job)
-
-    def compress_async(self, seg: Segment, plan: Plan) -> torch.futures.Future:
-        """Compressed all-reduce of ``seg.work`` in place, ordered after the hook's jobs (for
-        communication inside ``step()``, e.g. 0/1 Adam's sync)."""
-        job = self._with_context(self.optimizer.steps_done + 1, plan, lambda: seg.comm(seg.work))
-        return self.submit(seg.device, job)
 
     #: Whether each rank holds shards of the parameters (FSDP2), so that statistics of whole
     #: tensors need :meth:`sum_over_shards`.
@@ -200,15 +176,15 @@ class OneBitHookState:
             if not self.scaled:
                 return _completed(buffer)
             # With a loss scaler, ranks must skip a step together (see poison_unless_all_finite_).
-            return self.submit(buffer.device, lambda: self._noted(call, poison_unless_all_finite_(
-                buffer, self.process_group, opt.comm_stats)))
+            return opt.exchange.submit(buffer.device, lambda: self._noted(call, poison_unless_all_finite_(
+                buffer, self.process_group, opt.exchange.stats)))
         if plan is Plan.ALLREDUCE:
             mean = self._mean_allreduce()
-            return self.submit(buffer.device, self._with_context(t, plan, lambda: mean(buffer)))
+            return opt.exchange.submit(buffer.device, opt.exchange.in_context(t, plan, lambda: mean(buffer)))
         if plan in (Plan.COMPRESS_MOMENTUM, Plan.COMPRESS_GRADIENT, Plan.QUANTIZE_GRADIENT):
-            segments = opt.segments.for_bucket(key, buffer.device)
+            segments = opt.exchange.segments.for_bucket(key, buffer.device)
             job = lambda: self._noted(call, compress_bucket(opt, call, segments))  # noqa: E731
-            return self.submit(buffer.device, self._with_context(t, plan, job))
+            return opt.exchange.submit(buffer.device, opt.exchange.in_context(t, plan, job))
         return opt.exchange_bucket(call, self)  # a plan of the optimizer's own (BinSGDM's vote)
 
     def _admit(self, key: tuple, t: int, plan: Plan) -> Optional[int]:
@@ -252,12 +228,6 @@ class OneBitHookState:
         if self.scaled or not self.optimizer.check_finite:
             self.note_attempt(call.t, call.attempt, finite_flag(result))
         return result
-
-    def _with_context(self, t: int, plan: Plan, job: Callable[[], Any]) -> Callable[[], Any]:
-        """Wrap a communication job so a failure says where it happened and what to suspect."""
-        opt = self.optimizer
-        return with_failure_context(
-            job, lambda: f"hf_onebit {type(opt).__name__}: rank {opt.rank} of {opt.world_size}, step {t} (plan {plan.value})")
 
 
 def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

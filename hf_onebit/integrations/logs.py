@@ -108,7 +108,7 @@ class CompressionLog:
         self._phase = self.optimizer.phase()
 
     def total(self) -> CommRecord:
-        return self.optimizer.comm_stats.snapshot()  # restored from the checkpoint on resume
+        return self.optimizer.exchange.stats.snapshot()  # restored from the checkpoint on resume
 
     def restart(self) -> None:
         """Measure the next entries from here (after a resume restored the counters)."""

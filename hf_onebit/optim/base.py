@@ -2,40 +2,24 @@
 
 An optimizer's :meth:`OneBitOptimizer.plan` says what the coming step needs from the network;
 the DDP communication hook (:mod:`hf_onebit.hook`, whose docstring has the table of plans)
-carries it out during backward and is the optimizer's one way to the network (its ``link``).
-Compression segments (error state per group of parameters) are kept by a
-:class:`~hf_onebit.comm.segments.SegmentRegistry`; its module explains why they exist.
+carries it out during backward. Everything on the wire (segments and their error buffers, the
+node layout, the byte counters) belongs to the optimizer's :class:`~hf_onebit.exchange.Exchange`.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from hf_onebit.comm import CommRecord, CommStats, CompressedAllReduce
-from hf_onebit.comm.segments import Segment, SegmentRegistry
-from hf_onebit.comm.topology import NodeTopology, check_same_local_world_size, node_topology
+from hf_onebit.exchange import Exchange, Plan
 from hf_onebit.optim import adam_state, guards, rank_state
 from hf_onebit.optim.validation import check_betas, check_bool, check_common, check_scale_block
 from hf_onebit.optim.workspace import Workspace
 
 logger = logging.getLogger("hf_onebit")
-
-
-class Plan(str, enum.Enum):
-    """What one optimizer step needs from the network (see the module docstring)."""
-
-    ALLREDUCE = "allreduce"
-    QUANTIZE_GRADIENT = "quantize_gradient"
-    COMPRESS_MOMENTUM = "compress_momentum"
-    COMPRESS_GRADIENT = "compress_gradient"
-    LOCAL = "local"
-    SYNC_AFTER_STEP = "sync_after_step"
-    VOTE = "vote"
 
 
 class OneBitOptimizer(torch.optim.Optimizer):
@@ -51,42 +35,38 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, *, scale_per_tensor: bool = False, scale_block: int | None = None,
                  check_finite: bool = True, hierarchical: bool | None = False) -> None:
         check_bool(check_finite, f"{type(self).__name__}: check_finite")
-        if hierarchical is not None and not isinstance(hierarchical, bool):
-            raise TypeError(f"{type(self).__name__}: hierarchical must be True, False or None (auto), got {hierarchical!r}")
         self._check_group(defaults)  # also when every group overrides them (torch checks groups only)
         super().__init__(params, defaults)
         #: Whether ``step()`` refuses non-finite gradients without a loss scaler (see
         #: :func:`~hf_onebit.optim.guards.check_finite_grads`; a setting of this process, saved nowhere).
         self.check_finite = check_finite
-        #: One compression scale per parameter tensor of a bucket instead of one per rank and
-        #: chunk (see :class:`~hf_onebit.comm.CompressedAllReduce`'s ``piece_sizes``).
-        self.scale_per_tensor = bool(scale_per_tensor)
-        #: At most this many elements per compression scale (``None``: no limit): each piece of
-        #: a segment (a tensor, or the whole segment) is cut into blocks of this size.
-        self.scale_block = check_scale_block(scale_block)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.is_sparse:
                     raise ValueError("hf_onebit optimizers do not support sparse parameters")
-        self.comm_stats = CommStats()
-        #: The exchange by node (full precision inside a node, 1 bit between nodes, see
-        #: :mod:`hf_onebit.comm.hierarchical`): ``True``, ``False`` or ``None`` (by node exactly
-        #: when ``LOCAL_WORLD_SIZE`` gives several nodes of several ranks); see :meth:`nodes`.
-        self.hierarchical = hierarchical
-        self._nodes: NodeTopology | None | bool = False  # False: not decided yet (see nodes())
-        if hierarchical and dist.is_initialized():
-            self._node_layout(dist.get_world_size(), None)  # an impossible layout is refused at construction
-        #: The hook state (:class:`hf_onebit.hook.OneBitHookState`), which sets itself here when
-        #: built (``hf_onebit.attach`` builds it): this optimizer's one way to the network
-        #: (``None``: not attached).
-        self.link = None
+        #: One compression scale per parameter tensor of a bucket instead of one per rank and
+        #: chunk (see :class:`~hf_onebit.comm.CompressedAllReduce`'s ``piece_sizes``).
+        self.scale_per_tensor = bool(scale_per_tensor)
+        #: At most this many elements per compression scale (``None``: no limit).
+        self.scale_block = check_scale_block(scale_block)
+        #: Everything this optimizer puts on the wire (:class:`~hf_onebit.exchange.Exchange`).
+        self.exchange = Exchange(type(self).__name__, self.params_in_order, hierarchical=hierarchical,
+                                 scale_per_tensor=self.scale_per_tensor, scale_block=self.scale_block,
+                                 separate_coded_errors=self.separate_coded_errors)
         self._workspace = Workspace()  # the step's temporaries (see workspace.py)
         self.steps_done = 0  # optimizer steps completed (t of the last step)
         self._step_plan: Plan | None = None  # the plan of the step under way (begin_step sets it)
-        self.segments = SegmentRegistry(self._new_compressor)  # error state per group of parameters
         self._last_phase: str | None = None
-        self._stats_at_last_step = CommRecord()
-        self.last_step_comm = CommRecord()
+
+    @property
+    def link(self):
+        """The hook state (:class:`hf_onebit.hook.OneBitHookState`), which sets itself here when
+        built (``hf_onebit.attach`` builds it); ``None``: not attached."""
+        return self.exchange.link
+
+    @link.setter
+    def link(self, state) -> None:
+        self.exchange.link = state
 
     # ---------------------------------------------------------------- parameter groups
     def _check_group(self, group: dict) -> None:
@@ -197,7 +177,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The attached DDP model's process group (``None``: not attached, the default group)."""
-        return self.link.process_group if self.link is not None else None
+        return self.exchange.process_group
 
     @property
     def scaled(self) -> bool:
@@ -206,41 +186,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     @property
     def world_size(self) -> int:
-        if not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.process_group)
+        return self.exchange.world_size
 
     @property
     def rank(self) -> int:
         return dist.get_rank(self.process_group) if dist.is_initialized() else 0
-
-    def nodes(self) -> NodeTopology | None:
-        """The node layout of the exchange by node, or ``None`` for the flat exchange.
-
-        Decided once, from ``LOCAL_WORLD_SIZE`` and the world size: ``hierarchical=True`` needs a
-        layout (``ValueError`` naming why there is none), ``None`` takes one where there is one.
-        Unless ``hierarchical=False``, the first call is collective (attach makes it on every rank):
-        every rank must read the same ``LOCAL_WORLD_SIZE``, or every rank raises ``ValueError``.
-        """
-        if self._nodes is False:
-            if self.hierarchical is False or not dist.is_initialized() or self.world_size == 1:
-                self._nodes = None
-            else:
-                # Every rank must decide alike: one small all-gather (first called by attach's
-                # create_node_groups, on every rank) refuses LOCAL_WORLD_SIZE differing between ranks.
-                params = self.params_in_order()
-                device = params[0].device if params else torch.device("cpu")
-                check_same_local_world_size(device, self.process_group, type(self).__name__)
-                self._nodes = self._node_layout(self.world_size, self.process_group)
-        return self._nodes
-
-    def _node_layout(self, world_size: int, group) -> NodeTopology | None:
-        try:
-            return node_topology(world_size, group)
-        except ValueError as exc:
-            if self.hierarchical:
-                raise ValueError(f"{type(self).__name__}(hierarchical=True): {exc}") from None
-            return None
 
     def replace_params(self, replacement: dict[int, torch.Tensor]) -> None:
         """Put ``replacement[id(p)]`` in place of each listed parameter ``p``, keeping its state.
@@ -284,19 +234,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
             self._group_cache = {id(p): g for g in self.param_groups for p in g["params"]}
         return self._group_cache
 
-    # ---------------------------------------------------------------- segments
-    def _new_compressor(self, key: tuple[int, ...], device: torch.device) -> CompressedAllReduce:
-        """The compressed all-reduce of a new segment over the parameters ``key``."""
-        params = self.params_in_order()
-        numel = sum(params[i].numel() for i in key)
-        piece_sizes = [params[i].numel() for i in key] if self.scale_per_tensor else None
-        return self.link.new_compressor(numel, device, piece_sizes, self.nodes(), scale_block=self.scale_block,
-                                        separate_coded_errors=self.separate_coded_errors)
-
-    def segments_covering_all(self, device: torch.device, cap_numel: int = 25 * 2**20 // 4) -> list[Segment]:
-        """Segments covering every parameter (for communication in ``step()``, e.g. 0/1 Adam)."""
-        return self.segments.covering_all([p.numel() for p in self.params_in_order()], device, cap_numel)
-
     def exchange_bucket(self, call, link) -> torch.futures.Future:
         """A plan of this optimizer's own on one bucket (``call``: a
         :class:`hf_onebit.hook.BucketCall`; ``link``: the hook state); BinSGDM's vote."""
@@ -305,15 +242,12 @@ class OneBitOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------------- after each step
     def _after_step(self) -> None:
         """Commit this step's error buffers, advance counters, record traffic, log phase changes."""
-        self.segments.commit()
         self.steps_done += 1
-        if self._step_plan is Plan.QUANTIZE_GRADIENT and self.plan() is Plan.COMPRESS_MOMENTUM:
-            # The b-bit warmup's errors are gradient residuals, the momentum exchange's would be
-            # momentum residuals: the compression phase starts from zero errors, as after a
-            # full-precision warmup, and its segments from the bucket layout it meets.
-            self.segments.clear()
-        total = self.comm_stats.snapshot()
-        self.last_step_comm, self._stats_at_last_step = total - self._stats_at_last_step, total
+        # The b-bit warmup's errors are gradient residuals, the momentum exchange's would be
+        # momentum residuals: the compression phase starts from zero errors, as after a
+        # full-precision warmup, and its segments from the bucket layout it meets.
+        self.exchange.end_step(restart_errors=self._step_plan is Plan.QUANTIZE_GRADIENT
+                               and self.plan() is Plan.COMPRESS_MOMENTUM)
         phase = self.phase()
         if phase != self._last_phase:
             if self._last_phase is not None and self.rank == 0:
@@ -359,7 +293,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         fp32 DDP's. Inside a node and between nodes are also given apart (``None`` where no byte
         goes that way); see :mod:`hf_onebit.comm.stats` for how they are counted.
         """
-        total = self.comm_stats.snapshot()
+        total, last = self.exchange.stats.snapshot(), self.exchange.last_step
         return {
             "phase": self.phase(),
             "step": self.steps_done,
@@ -372,8 +306,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
             "intra_node_bytes_sent": total.bytes_sent - total.inter_node_sent,
             "inter_node_ratio": total.inter_node_ratio,
             "intra_node_ratio": total.intra_node_ratio,
-            "last_step_bytes_sent": self.last_step_comm.bytes_sent,
-            "last_step_rounds": self.last_step_comm.rounds,
+            "last_step_bytes_sent": last.bytes_sent,
+            "last_step_rounds": last.rounds,
         }
 
     # ---------------------------------------------------------------- state

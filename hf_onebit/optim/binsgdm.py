@@ -101,9 +101,7 @@ import numbers
 
 import torch
 
-from hf_onebit.comm.allreduce import finite_flag
-from hf_onebit.comm.vote import VoteAllGather
-from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
+from hf_onebit.optim.base import OneBitOptimizer, Plan
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve
 from hf_onebit.optim.validation import check_betas, check_bool
 from hf_onebit.optim.vote_core import VoteLayout, vote_threshold_, vote_update_foreach_  # noqa: F401 (vote_threshold_: API)
@@ -166,7 +164,6 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         super().__init__(params, defaults, check_finite=check_finite, hierarchical=hierarchical)
         self.seed = int(seed)
         self.stratified_votes = stratified_votes
-        self._vote: VoteAllGather | None = None  # made at the first vote (attach sets the group)
         self._streams: dict[int, VoteStream] = {}
         self.init_vote_momenta()
 
@@ -200,14 +197,6 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
             self._streams.clear()
 
     # ---------------------------------------------------------------- the exchange
-    def _vote_exchange(self) -> VoteAllGather:
-        if self._vote is None:
-            nodes = self.nodes()
-            self._vote = VoteAllGather(self.process_group, self.world_size, nodes, self.comm_stats)
-            if nodes is not None and self.rank == 0:
-                logger.info("hf_onebit BinSGDM: hierarchical votes, %d nodes of %d ranks", nodes.nodes, nodes.local_size)
-        return self._vote
-
     def _draw_worker_votes(self, layout: VoteLayout, t: int, topology) -> None:
         """This rank's votes of step ``t``, ``u < (1+z)/2``, into ``layout.votes_n``; the voters
         averaged together are the world, or the node of ``topology``."""
@@ -236,18 +225,18 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
     # ---------------------------------------------------------------- the hook side
     def exchange_bucket(self, call, link) -> torch.futures.Future:
         """The VOTE plan on one bucket (see :class:`hf_onebit.hook.BucketCall`): local votes,
-        exchanged by the ordered executor of ``link`` (the hook state)."""
+        exchanged on the ordered executor of this optimizer's exchange."""
         if call.plan is not Plan.VOTE:
             return super().exchange_bucket(call, link)
-        vote = self._vote_exchange()
+        vote = self.exchange.vote_collective()
         layout = self._layouts.get(call.key)
         if layout is None:
             total = sum(p.numel() for p in call.params)
             layout = self._layout_for(call.key, call.params, call.buffer.device, vote.padded_length(total))
         layout.pending_t = call.t
-        return link.submit(call.buffer.device, lambda: self._vote_bucket(layout, vote, call, link))
+        return self.exchange.submit(call.buffer.device, lambda: self._vote_bucket(layout, vote, call, link))
 
-    def _vote_bucket(self, layout: VoteLayout, vote: VoteAllGather, call, link) -> torch.Tensor:
+    def _vote_bucket(self, layout: VoteLayout, vote, call, link) -> torch.Tensor:
         """Runs on the communication thread: local state, local votes, exchange, ``.grad = q̄``.
 
         Flat over the bucket: a constant number of operations whatever the number of tensors in
@@ -262,7 +251,7 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         if scale_t is not None:
             g32.mul_(torch.reciprocal(scale_t.to(torch.float64)))
         layout.threshold(g32)
-        all_finite = finite_flag(layout.nxt.b)  # NaN/inf gradient (or corrupted state) on this rank
+        all_finite = self.exchange.all_finite(layout.nxt.b)  # NaN/inf gradient (or corrupted state) on this rank
         self._draw_worker_votes(layout, t, vote.topology)
         if vote.hierarchical:  # the node's draws (the worker votes are taken: reuse the buffer)
             topo = vote.topology

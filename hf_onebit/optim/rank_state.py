@@ -19,26 +19,26 @@ def save(opt: OneBitOptimizer) -> dict:
         "nodes": node_layout(opt),
         "rank": opt.rank,
         "steps_done": opt.steps_done,
-        "segments": opt.segments.state_dict(),  # restored but unused state included
+        # The error buffers (restored but unused state included) and this rank's traffic so far,
+        # so cumulative figures continue across a resume: "segments" and "comm_total".
+        **opt.exchange.state_dict(),
         # The last bucket layout DDP used: a run resumed before compression started (e.g.
         # exactly at freeze_step) splits DDP's one-bucket first iteration along it, as the
         # uninterrupted run's buckets were.
         "layout": list(opt.link.layout) if opt.link is not None else [],
-        # This rank's traffic so far, so cumulative figures continue across a resume.
-        "comm_total": opt.comm_stats.state_dict(),
     }
 
 
 def node_layout(opt: OneBitOptimizer) -> list[int] | None:
     """``[nodes, ranks per node]`` that the error buffers belong to (the exchange by node),
     ``None`` for the flat exchange, and for an optimizer without error buffers (BinSGDM)."""
-    nodes = opt.nodes() if opt.keeps_error_buffers else None
+    nodes = opt.exchange.nodes() if opt.keeps_error_buffers else None
     return None if nodes is None else [nodes.nodes, nodes.local_size]
 
 
 def reset(opt: OneBitOptimizer) -> None:
     """Error buffers start afresh (zero)."""
-    opt.segments.clear()
+    opt.exchange.segments.clear()
 
 
 def load(opt: OneBitOptimizer, state: dict) -> None:
@@ -58,11 +58,4 @@ def load(opt: OneBitOptimizer, state: dict) -> None:
             " its error buffers belong to other buffers: resume with the same node layout (LOCAL_WORLD_SIZE, hierarchical),"
             " or start the per-rank state afresh with on_mismatch='reset' (user guide: API reference, 'Per-rank state')"
         )
-    opt.comm_stats.load_state_dict(state["comm_total"])
-    opt._stats_at_last_step = opt.comm_stats.snapshot()
-    pending: dict = dict(state["segments"])
-    covered = set().union(*pending) if pending else set()
-    for key in state["layout"]:
-        if not covered & set(key):  # a layout for parameters that have no error state yet
-            pending.setdefault(tuple(key), None)
-    opt.segments.load(pending)
+    opt.exchange.load_state_dict(state, state["layout"])

@@ -490,7 +490,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             self._init_local_state(p)
         if self.world_size > 1 and params:
             # Materialises saved-but-unused segments too, so no stale error survives a resume.
-            for seg in self.segments_covering_all(params[0].device):
+            for seg in self.exchange.covering_all(params[0].device):
                 seg.comm.reset()
 
     def _sync(self) -> None:
@@ -507,7 +507,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                     torch._foreach_div_(m, [-s["lr_sum"] for s in part.states])
                 self._restart(chunk)
             return
-        segments = self.segments_covering_all(params[0].device)
+        segments = self.exchange.covering_all(params[0].device)
         futures, parts = [], []
         for seg in segments:  # fill a segment, queue it, fill the next while it travels
             seg_params, views = seg.shaped_views(params)
@@ -520,7 +520,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                 if self.sync_in_momentum_units:
                     self._per_live_tensor(chunk, out, torch._foreach_div_)
                 with_roots.append((chunk, out, roots))
-            futures.append(self.link.compress_async(seg, Plan.SYNC_AFTER_STEP))
+            futures.append(self.exchange.sync_async(seg, self.steps_done + 1))
             parts.append(with_roots)
         for fut, seg_parts in zip(futures, parts):
             fut.wait()

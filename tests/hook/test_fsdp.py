@@ -291,7 +291,7 @@ def _per_module(rank, world_size, steps):
     for module in (model.first, model.second, model):
         fully_shard(module, mesh=mesh)
     history, opt = _train_sharded(model, rank, steps)
-    return history, sorted(opt.segments.keys())
+    return history, sorted(opt.exchange.segments.keys())
 
 
 def test_each_fsdp_module_is_its_own_buffer_and_matches_the_simulation():

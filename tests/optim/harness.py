@@ -91,7 +91,7 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
     With ``save_dir``/``save_at`` the optimizer, model and per-rank state are saved after step
     ``save_at``; with ``resume_dir`` they are loaded before training continues at ``start_step``.
     With ``record_steps`` the result also holds ``"steps"``: for every step its plan and the
-    traffic it caused (``opt.last_step_comm``). ``tiny_grads``, ``late_grads``: see :func:`fixed_grads`.
+    traffic it caused (``opt.exchange.last_step``). ``tiny_grads``, ``late_grads``: see :func:`fixed_grads`.
     ``shard_size``: FSDP2 instead of DDP, the model sharded over replicas of that many ranks
     (:func:`hf_onebit.replica_mesh`); the history then holds the whole parameters.
     ``sharded_checkpoint`` (with ``shard_size``): save and resume through distributed checkpoints,
@@ -143,7 +143,7 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
         history.append([whole(p) for p in model.parameters()])
         if record_steps:
             per_step.append({"plan": plan, "layout": list(opt.link.layout) if opt.link else [],
-                             **opt.last_step_comm.as_dict()})
+                             **opt.exchange.last_step.as_dict()})
         if save_dir is not None and step == save_at and sharded_checkpoint:
             import torch.distributed.checkpoint as dcp
 
@@ -159,10 +159,10 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
                 torch.save(opt.state_dict(), os.path.join(save_dir, "optimizer.pt"))
             torch.save(opt.rank_state_dict(), os.path.join(save_dir, f"rank{rank}.pt"))
             dist.barrier()
-    segments = sorted(opt.segments.keys())
+    segments = sorted(opt.exchange.segments.keys())
     out = {"history": history, "segments": segments, "stats": opt.onebit_stats(), "global": opt.global_state(),
            # the segments that hold a work buffer, and the bucket layout of the last step
-           "work_held": sorted(seg.key for seg in opt.segments if seg._work is not None),
+           "work_held": sorted(seg.key for seg in opt.exchange.segments if seg._work is not None),
            "last_layout": sorted(opt.link.layout) if opt.link is not None and opt.link.layout else []}
     if record_steps:
         out["steps"] = per_step

@@ -60,14 +60,14 @@ def test_per_rank_state_of_another_node_layout_is_refused_unless_there_are_no_er
     saved = rank_state.save(flat)
     assert saved["nodes"] is None
     by_node = OneBitAdam(params)
-    by_node._nodes = NodeTopology(local_size=2, nodes=2, node=0, local_rank=0)  # as decided under 2 x 2
+    by_node.exchange._nodes = NodeTopology(local_size=2, nodes=2, node=0, local_rank=0)  # as decided under 2 x 2
     with pytest.raises(ValueError, match=r"saved with the flat exchange, this run uses the exchange by node \(2 nodes of 2"):
         rank_state.load(by_node, saved)
     assert rank_state.save(by_node)["nodes"] == [2, 2]
     with pytest.raises(ValueError, match=r"saved with the exchange by node .* this run uses the flat exchange.*on_mismatch='reset'"):
         rank_state.load(flat, rank_state.save(by_node))
     votes = BinSGDM(params)
-    votes._nodes = NodeTopology(local_size=2, nodes=2, node=0, local_rank=0)
+    votes.exchange._nodes = NodeTopology(local_size=2, nodes=2, node=0, local_rank=0)
     state = votes.rank_state_dict()
     assert state["nodes"] is None
     votes.load_rank_state_dict(state)

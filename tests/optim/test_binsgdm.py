@@ -151,14 +151,14 @@ def _iterate(rank, model, ddp, opt, scaler, iterations, cfg):
         coeffs = fixed_grads(it, rank)
         if it == cfg.get("nan_at") and rank == cfg.get("nan_rank"):
             coeffs[0][0, 0] = float("inf")
-        before = (opt.steps_done, opt.comm_stats.snapshot())
+        before = (opt.steps_done, opt.exchange.stats.snapshot())
         scaler.scale(ddp(coeffs)).backward()
         scale = scaler.get_scale()
         qbar = [p.grad.detach().clone() / scale for p in model.parameters()]
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        comm = opt.comm_stats.snapshot()
+        comm = opt.exchange.stats.snapshot()
         records.append(dict(
             it=it, qbar=qbar, params=[p.detach().clone() for p in model.parameters()],
             stepped=opt.steps_done == before[0] + 1, steps_done=opt.steps_done,
@@ -189,7 +189,7 @@ def _vote_worker(rank, world_size, cfg):
     iters = range(cfg.get("first", 1), cfg["last"] + 1)
     model, ddp, opt, scaler = _build(cfg["kwargs"], rank, cfg.get("resume_dir"))
     out["records"] = _iterate(rank, model, ddp, opt, scaler, iters, cfg)
-    out["hierarchical"] = opt._vote_exchange().hierarchical
+    out["hierarchical"] = opt.exchange.vote_collective().hierarchical
     out["state_keys"] = sorted({k for s in opt.state_dict()["state"].values() for k in s})
     if cfg.get("bf16_iters"):  # bf16 parameters and buckets, no GradScaler
         import hf_onebit

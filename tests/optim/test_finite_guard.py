@@ -26,7 +26,7 @@ def _snapshot(opt, model) -> list[torch.Tensor]:
         for value in opt.state.get(p, {}).values():
             if isinstance(value, torch.Tensor):
                 out.append(value.clone())
-    for seg in sorted(opt.segments, key=lambda s: s.key):
+    for seg in sorted(opt.exchange.segments, key=lambda s: s.key):
         out += [seg.comm.worker_error.clone(), seg.comm.server_error.clone()]
         if getattr(seg.comm, "coded_errors", None) is not None:
             out += [seg.comm.coded_errors.worker.clone(), seg.comm.coded_errors.server.clone()]

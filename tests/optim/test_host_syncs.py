@@ -160,7 +160,7 @@ def _train_watched(watch, rank, opt_name, kwargs, steps, scaler, tensors):
         opt.state_dict()  # not watched: checkpoints may read values
     assert opt.steps_done == steps, "a step was skipped: the test's gradients must stay finite"
     if tensors is not None:
-        assert len(opt.segments) > 256, f"only {len(opt.segments)} compression segments"
+        assert len(opt.exchange.segments) > 256, f"only {len(opt.exchange.segments)} compression segments"
     return records
 
 

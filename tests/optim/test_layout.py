@@ -250,7 +250,7 @@ def _train(opt_name, kwargs, model, steps, rank, freeze_at=None, frozen=None, re
         opt.step()
         opt.zero_grad(set_to_none=True)
         out["history"].append([p.detach().contiguous().clone() for p in params])
-    out["segments"] = sorted(opt.segments.keys())
+    out["segments"] = sorted(opt.exchange.segments.keys())
     if frozen is not None:
         out["end_state"] = _snapshot_state(opt, frozen)
     return out

@@ -38,7 +38,7 @@ def _train(rank, world_size, steps):
         ddp(_grads(step, rank)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return torch.stack([p.detach() for p in model.parameters()]), sorted(opt.segments.keys())
+    return torch.stack([p.detach() for p in model.parameters()]), sorted(opt.exchange.segments.keys())
 
 
 def test_three_thousand_tensors_match_the_spec_simulation():

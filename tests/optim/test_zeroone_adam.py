@@ -567,7 +567,7 @@ def test_one_process_matches_the_spec_and_resumes():
         expected = sim.step(_grads(step, 1))
         _check_params(history[step - 1], expected[0], f"step {step} ({sim.kinds[-1]})")
     assert sim.kinds == SCHEDULE
-    assert opt.onebit_stats()["rounds"] == 0 and len(opt.segments) == 0
+    assert opt.onebit_stats()["rounds"] == 0 and len(opt.exchange.segments) == 0
     assert opt.phase() == "local_steps"
 
     from hf_onebit.optim.zeroone_adam import ZeroOneAdam

@@ -62,7 +62,7 @@ class Observer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.opt is not None:
-            s = self.opt.comm_stats.snapshot()
+            s = self.opt.exchange.stats.snapshot()
             self.stats[state.global_step] = (s.bytes_sent, s.rounds, s.calls, s.fp32_equivalent)
 
 
