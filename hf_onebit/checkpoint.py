@@ -71,7 +71,7 @@ def file_rank(optimizer: OneBitOptimizer) -> tuple[int, int]:
 
 def shard_size(optimizer: OneBitOptimizer) -> int:
     """Ranks per replica whose shards the error buffers belong to (1: whole tensors, DDP)."""
-    return getattr(optimizer.link, "shard_size", 1)
+    return getattr(optimizer.hook_state, "shard_size", 1)
 
 
 #: The key of a per-rank file's payload under which a caller's own entries travel (``extra``).

@@ -10,11 +10,23 @@ An optimizer says what a step needs from the network (a :class:`Plan`) and does 
 * BinSGDM's vote collective (:mod:`hf_onebit.comm.vote`).
 
 The DDP communication hook (:mod:`hf_onebit.hook`) runs each bucket's plan through it; when
-attached, the hook state is the exchange's :attr:`~Exchange.link`, which brings the process
+attached, the hook state is the exchange's :attr:`~Exchange.hook_state`, which brings the process
 group and the loss scaler.
 
 Layers, one way: ``kernels -> comm -> exchange -> optim -> hook -> integrations``. No module of
-:mod:`hf_onebit.optim` imports :mod:`hf_onebit.comm`.
+:mod:`hf_onebit.optim` imports :mod:`hf_onebit.comm`. What crosses between an optimizer and the
+network side:
+
+====================================================  ===========================  ==========================
+call                                                  who, when                    what for
+====================================================  ===========================  ==========================
+``Exchange(...)``, ``end_step(restart_errors)``       optimizer: built, each step  commit errors, count bytes
+``covering_all``, ``sync_async(segment, t)``          0/1 Adam, a sync step        the exchange in ``step()``
+``vote_collective()``, ``submit``, ``all_finite``     BinSGDM, each bucket         its vote
+``state_dict``, ``load_state_dict``, ``nodes()``      per-rank checkpoints         error buffers, layout
+``plan()``, ``prepare_bucket``, ``finish_bucket``     hook -> optimizer, a bucket  what a bucket sends
+``hook_state.covered``, ``hook_state.*_over_shards``  guards, FSDP2                hook memory, shard sums
+====================================================  ===========================  ==========================
 """
 
 from __future__ import annotations
@@ -82,7 +94,7 @@ class Exchange:
         self._at_last_step = CommRecord()
         self.segments = SegmentRegistry(self._new_compressor)
         #: the hook state (:class:`hf_onebit.hook.OneBitHookState`) once attached, else ``None``
-        self.link: Any = None
+        self.hook_state: Any = None
         self._nodes: NodeTopology | None | bool = False  # False: not decided yet (see nodes())
         self._vote: VoteAllGather | None = None
         if hierarchical and dist.is_initialized():
@@ -92,7 +104,7 @@ class Exchange:
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The attached model's process group (``None``: not attached, the default group)."""
-        return self.link.process_group if self.link is not None else None
+        return self.hook_state.process_group if self.hook_state is not None else None
 
     @property
     def world_size(self) -> int:
@@ -152,7 +164,7 @@ class Exchange:
         piece_sizes = [sizes[i] for i in key] if self.scale_per_tensor else None
         options = dict(stats=self.stats, piece_sizes=piece_sizes, scale_block=self.scale_block,
                        separate_coded_errors=self.separate_coded_errors,
-                       deferred_commit=self.link is not None and self.link.scaled)  # a loss scaler may skip the step
+                       deferred_commit=self.hook_state is not None and self.hook_state.scaled)  # a loss scaler may skip the step
         numel = sum(sizes[i] for i in key)
         nodes = self.nodes()
         if nodes is not None:

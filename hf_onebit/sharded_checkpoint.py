@@ -62,17 +62,17 @@ _META = "hf_onebit"
 def _shards(optimizer: OneBitOptimizer, what: str) -> list[tuple[str, torch.Tensor, object]]:
     """``(parameter name, local shard, DTensor parameter)`` for each of the optimizer's
     parameters, in its order (from what :func:`~hf_onebit.hook.fsdp.attach_fsdp` recorded)."""
-    link = optimizer.link
-    if not isinstance(link, FSDPHookState):
+    hook_state = optimizer.hook_state
+    if not isinstance(hook_state, FSDPHookState):
         raise ValueError(f"hf_onebit.{what}: the optimizer is not attached to an FSDP2 model (hf_onebit.attach(model,"
                          " optimizer) after fully_shard); on the DDP path save optimizer.state_dict() on rank 0 and"
                          " hf_onebit.save_rank_state on every rank.")
-    param_of = {id(local): param for local, param in link.owners}
+    param_of = {id(local): param for local, param in hook_state.owners}
     params = optimizer.params_in_order()
-    missing = [i for i, p in enumerate(params) if id(p) not in link.names]
+    missing = [i for i, p in enumerate(params) if id(p) not in hook_state.names]
     if missing:
         raise ValueError(f"hf_onebit: optimizer parameters {missing[:8]} are not parameters of the attached FSDP2 model")
-    return [(link.names[id(p)], p, param_of[id(p)]) for p in params]
+    return [(hook_state.names[id(p)], p, param_of[id(p)]) for p in params]
 
 
 def _sharded(value, local: torch.Tensor, param):

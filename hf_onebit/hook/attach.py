@@ -48,7 +48,7 @@ def attach(
             " are not supported: use DDP, or FSDP2 as hf_onebit.hook.fsdp describes."
         )
     check_params_match(ddp_model.module, optimizer)
-    state = OneBitHookState(optimizer, ddp_model.process_group, grad_scaler)  # becomes optimizer.link
+    state = OneBitHookState(optimizer, ddp_model.process_group, grad_scaler)  # becomes optimizer.hook_state
     if optimizer.world_size == 1:
         logger.warning("hf_onebit: world size is 1, nothing to communicate: %s runs uncompressed", type(optimizer).__name__)
         return None

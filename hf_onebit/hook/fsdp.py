@@ -312,7 +312,7 @@ def attach_fsdp(model, optimizer: OneBitOptimizer, grad_scaler: Any = None) -> O
     if mesh.ndim != 1:
         raise UnsupportedSetup(f"hf_onebit.attach: FSDP's native HSDP (a {mesh.ndim}-D mesh) all-reduces between"
                                " replicas in full precision, which hf_onebit cannot replace." + _LAYOUT)
-    if isinstance(optimizer.link, FSDPHookState):
+    if isinstance(optimizer.hook_state, FSDPHookState):
         raise ValueError("hf_onebit.attach: this optimizer is already attached to an FSDP2 model (it steps on the"
                          " local shards now); with FSDP2 attach once, to a new optimizer built after fully_shard.")
     if any(not hasattr(p, "to_local") for p in optimizer.params_in_order()):

@@ -12,7 +12,7 @@ is about DDP rather than about the optimizer's maths:
   gradients that were never exchanged, and a resume splits buckets as the uninterrupted run did.
 
 What goes on the wire (segments, error buffers, counters, the node layout) belongs to the
-optimizer's :class:`~hf_onebit.exchange.Exchange`, whose ``link`` this state becomes: it brings
+optimizer's :class:`~hf_onebit.exchange.Exchange`, whose ``hook_state`` this state becomes: it brings
 the process group and the loss scaler. Inside ``step()`` the optimizer queues a compressed
 all-reduce with :meth:`~hf_onebit.exchange.Exchange.sync_async` (0/1 Adam's sync), and asks
 :meth:`OneBitHookState.covered` which parameters were exchanged for a step.
@@ -73,7 +73,7 @@ class OneBitHookState:
     (``None``: the default group), the loss scaler if fp16 is used, and the protocol's memory
     (see the module docstring).
 
-    Constructing it makes it the optimizer's ``link`` (``hf_onebit.attach`` does, and so does a
+    Constructing it makes it the optimizer's ``hook_state`` (``hf_onebit.attach`` does, and so does a
     hand-registered hook). An earlier state of the same optimizer (a re-wrapped model) hands its
     layout memory over.
     """
@@ -85,7 +85,7 @@ class OneBitHookState:
                 f" torch.distributed.ProcessGroup, got {type(process_group).__name__} (pass a loss scaler as"
                 " grad_scaler=...)"
             )
-        previous = optimizer.link
+        previous = optimizer.hook_state
         self.optimizer = optimizer
         self.process_group = process_group
         self.grad_scaler = grad_scaler  # torch.amp.GradScaler or None
@@ -97,7 +97,7 @@ class OneBitHookState:
         self.layout_step: Optional[int] = previous.layout_step if previous is not None else None
         self.layout: list = list(previous.layout) if previous is not None else []
         self._mean: Optional[MeanAllReduce] = None  # the warmup's fp32 all-reduce, made at its first use
-        optimizer.link = self  # the optimizer's one way to the network
+        optimizer.hook_state = self
 
     def _mean_allreduce(self) -> MeanAllReduce:
         """The fp32 mean all-reduce over ``process_group`` (one for every bucket: it reads the node

@@ -59,14 +59,14 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._last_phase: str | None = None
 
     @property
-    def link(self):
+    def hook_state(self):
         """The hook state (:class:`hf_onebit.hook.OneBitHookState`), which sets itself here when
         built (``hf_onebit.attach`` builds it); ``None``: not attached."""
-        return self.exchange.link
+        return self.exchange.hook_state
 
-    @link.setter
-    def link(self, state) -> None:
-        self.exchange.link = state
+    @hook_state.setter
+    def hook_state(self, state) -> None:
+        self.exchange.hook_state = state
 
     # ---------------------------------------------------------------- parameter groups
     def _check_group(self, group: dict) -> None:
@@ -182,7 +182,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
     @property
     def scaled(self) -> bool:
         """Whether a loss scaler is attached: it skips non-finite steps, so they may be retried."""
-        return self.link is not None and self.link.scaled
+        return self.hook_state is not None and self.hook_state.scaled
 
     @property
     def world_size(self) -> int:
@@ -213,8 +213,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As in torch; the hook state may clear gradients the optimizer does not hold (FSDP2's)."""
         super().zero_grad(set_to_none)
-        if self.link is not None:
-            self.link.zero_grad(set_to_none)
+        if self.hook_state is not None:
+            self.hook_state.zero_grad(set_to_none)
 
     def params_in_order(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -234,9 +234,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
             self._group_cache = {id(p): g for g in self.param_groups for p in g["params"]}
         return self._group_cache
 
-    def exchange_bucket(self, call, link) -> torch.futures.Future:
+    def exchange_bucket(self, call, hook_state) -> torch.futures.Future:
         """A plan of this optimizer's own on one bucket (``call``: a
-        :class:`hf_onebit.hook.BucketCall`; ``link``: the hook state); BinSGDM's vote."""
+        :class:`hf_onebit.hook.BucketCall`; ``hook_state``: the hook state); BinSGDM's vote."""
         raise NotImplementedError(f"{type(self).__name__} has no bucket handler for plan {call.plan.value}")
 
     # ---------------------------------------------------------------- after each step

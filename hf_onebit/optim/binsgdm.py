@@ -223,20 +223,20 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
         return s
 
     # ---------------------------------------------------------------- the hook side
-    def exchange_bucket(self, call, link) -> torch.futures.Future:
+    def exchange_bucket(self, call, hook_state) -> torch.futures.Future:
         """The VOTE plan on one bucket (see :class:`hf_onebit.hook.BucketCall`): local votes,
         exchanged on the ordered executor of this optimizer's exchange."""
         if call.plan is not Plan.VOTE:
-            return super().exchange_bucket(call, link)
+            return super().exchange_bucket(call, hook_state)
         vote = self.exchange.vote_collective()
         layout = self._layouts.get(call.key)
         if layout is None:
             total = sum(p.numel() for p in call.params)
             layout = self._layout_for(call.key, call.params, call.buffer.device, vote.padded_length(total))
         layout.pending_t = call.t
-        return self.exchange.submit(call.buffer.device, lambda: self._vote_bucket(layout, vote, call, link))
+        return self.exchange.submit(call.buffer.device, lambda: self._vote_bucket(layout, vote, call, hook_state))
 
-    def _vote_bucket(self, layout: VoteLayout, vote, call, link) -> torch.Tensor:
+    def _vote_bucket(self, layout: VoteLayout, vote, call, hook_state) -> torch.Tensor:
         """Runs on the communication thread: local state, local votes, exchange, ``.grad = q̄``.
 
         Flat over the bucket: a constant number of operations whatever the number of tensors in
@@ -258,7 +258,7 @@ class BinSGDM(VoteMomenta, OneBitOptimizer):
             self._draw(layout, t, NODE_STREAM + topo.node, STRATIFIED_STREAM + NODE_STREAM, topo.node, topo.nodes)
         qbar, valid = vote(layout.votes, all_finite, layout.numel, node_uniform=layout.uniform, scratch=layout.theta)
         qbar.masked_fill_(~valid, float("nan"))
-        link.note_attempt(t, call.attempt, valid)  # a repeat of step t is admitted only after a NaN vote
+        hook_state.note_attempt(t, call.attempt, valid)  # a repeat of step t is admitted only after a NaN vote
         if scale_t is not None:
             qbar.mul_(scale_t)
         layout.write(buffer, grads, direct, qbar)

@@ -338,7 +338,7 @@ class FreezeSchedule:
                     "hf_onebit %s: %s='auto' without the run's length: the warmup ends by step %d at the latest."
                     " Pass total_steps=N to the constructor or call optimizer.fit_to_run(N or lr_scheduler)"
                     " to fit it to the run", type(self).__name__, self._freeze_name, auto.max_step)
-        shards = self.link.sum_over_shards if self.link is not None and self.link.sharded else None
+        shards = self.hook_state.sum_over_shards if self.hook_state is not None and self.hook_state.sharded else None
         if auto.observe(step, updates, self._variance_tensors(), shards) and self.rank == 0:
             logger.info("hf_onebit %s: %s; %s=%d", type(self).__name__, auto.describe(), self._freeze_name, step)
 

@@ -94,7 +94,7 @@ def check_synced(opt: OneBitOptimizer, t: int) -> bool:
     """Whether the hook communicated for step ``t``; raise if it should have and did not."""
     if opt.world_size == 1:
         return False
-    if opt.link is None or opt.link.layout_step != t:
+    if opt.hook_state is None or opt.hook_state.layout_step != t:
         raise RuntimeError(
             f"hf_onebit: {type(opt).__name__}.step() runs on {opt.world_size} ranks but the"
             " communication hook did not run for this step. Call"
@@ -116,9 +116,9 @@ def check_grads_exchanged(opt: OneBitOptimizer, t: int) -> None:
     unexchanged gradients (ranks diverge; 1-bit Adam would even take a local gradient as its
     momentum), so stop here, before any optimizer state changes. Bookkeeping only, no sync.
     """
-    if opt.link is None or opt.world_size == 1:  # not attached: no hook to check
+    if opt.hook_state is None or opt.world_size == 1:  # not attached: no hook to check
         return
-    covered = opt.link.covered(t) or set()
+    covered = opt.hook_state.covered(t) or set()
     missed = [i for i, p in enumerate(opt.params_in_order())
               if p.grad is not None and p.requires_grad and i not in covered]
     if missed:
@@ -181,15 +181,15 @@ def check_finite_grads(opt: OneBitOptimizer) -> torch.Tensor | None:
         return None
     device = grads[0].device
     if (opt.masks_non_finite_steps and device.type in DEFERRED_DEVICES
-            and not (opt.link is not None and opt.link.sharded) and all(g.device == device for g in grads)):
+            and not (opt.hook_state is not None and opt.hook_state.sharded) and all(g.device == device for g in grads)):
         flag = norms_finite_flag(grads)
         if pending is None:
             pending = opt._pending_finite = _PendingFlag(device)
         pending.send(flag, opt.steps_done + 1, opt.phase())
         return flag
     finite = _all_finite(grads)
-    if opt.link is not None:  # FSDP2: each rank of a replica holds other shards; all stop or none
-        finite = opt.link.all_ranks_agree(finite)
+    if opt.hook_state is not None:  # FSDP2: each rank of a replica holds other shards; all stop or none
+        finite = opt.hook_state.all_ranks_agree(finite)
     if finite:
         return None
     index = opt._index_of()

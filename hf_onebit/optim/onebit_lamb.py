@@ -493,10 +493,10 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         maximum over the replica's ranks for all of them, then the steps: holds every ``u`` at
         once (one extra copy of the rank's shards). The vectors line up on every rank: chunks()
         keeps parameter order, and empty shards take part (norm 0; maximum 0, see :func:`_maxima`)."""
-        link = self.link
+        hook_state = self.hook_state
         parts = [(chunk, *directions(chunk, ok, keep=True)) for chunk in chunks(self, self._init_state, ok=ok)]
-        norms = _reduced([n for _, _, ns, _ in parts for n in ns], lambda t: link.sum_over_shards(t**2).sqrt())
-        maxima = _reduced([x for _, _, _, xs in parts for x in xs], link.max_over_shards)
+        norms = _reduced([n for _, _, ns, _ in parts for n in ns], lambda t: hook_state.sum_over_shards(t**2).sqrt())
+        maxima = _reduced([x for _, _, _, xs in parts for x in xs], hook_state.max_over_shards)
         for chunk, u, ns, xs in parts:
             finish(chunk, u, [next(norms) for _ in ns], [next(maxima) for _ in xs], ok)
 
@@ -512,9 +512,9 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             for p in params:
                 self.state[p]["exp_avg_sq_fresh"].copy_(self.state[p]["exp_avg_sq"])
         moments = [self.state[p]["exp_avg"] for p in params]
-        if params and self.link is not None and self.link.sharded:  # FSDP2 shards: RMS of the whole tensors
+        if params and self.hook_state is not None and self.hook_state.sharded:  # FSDP2 shards: RMS of the whole tensors
             device = moments[0].device
-            sums = self.link.sum_over_shards(torch.stack(
+            sums = self.hook_state.sum_over_shards(torch.stack(
                 [torch.linalg.vector_norm(logical(m), dtype=torch.float64) ** 2 for m in moments]
                 + [torch.tensor(float(m.numel()), dtype=torch.float64, device=device) for m in moments]))
             rms = [torch.where(n > 0, (s / n.clamp(min=1)).sqrt(), torch.zeros_like(s))
@@ -547,7 +547,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             directions, finish = partial(self._compression_directions, synced=synced), self._compression_finish
         else:
             directions, finish = self._warmup_directions, self._warmup_finish
-        if self.link is not None and self.link.sharded:
+        if self.hook_state is not None and self.hook_state.sharded:
             self._sharded_step(directions, finish, ok)
         else:  # whole tensors: their norms and maxima are the chunk's own
             for chunk in chunks(self, self._init_state, skip_empty=True, ok=ok):

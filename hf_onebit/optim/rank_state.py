@@ -25,7 +25,7 @@ def save(opt: OneBitOptimizer) -> dict:
         # The last bucket layout DDP used: a run resumed before compression started (e.g.
         # exactly at freeze_step) splits DDP's one-bucket first iteration along it, as the
         # uninterrupted run's buckets were.
-        "layout": list(opt.link.layout) if opt.link is not None else [],
+        "layout": list(opt.hook_state.layout) if opt.hook_state is not None else [],
     }
 
 

@@ -41,7 +41,7 @@ def test_the_layout_memory_carries_over_to_a_new_attach():
     state.layout_step, state.layout = 5, [(0, 2), (1,)]
     assert state.covered(5) == {0, 1, 2} and state.covered(6) is None
     again = OneBitHookState(opt)  # a re-attach: the new state becomes the optimizer's link
-    assert opt.link is again and again.covered(5) == {0, 1, 2}
+    assert opt.hook_state is again and again.covered(5) == {0, 1, 2}
     again.layout.append((3,))
     assert state.layout == [(0, 2), (1,)]  # a copy, not shared
 

@@ -142,7 +142,7 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
         opt.zero_grad(set_to_none=True)
         history.append([whole(p) for p in model.parameters()])
         if record_steps:
-            per_step.append({"plan": plan, "layout": list(opt.link.layout) if opt.link else [],
+            per_step.append({"plan": plan, "layout": list(opt.hook_state.layout) if opt.hook_state else [],
                              **opt.exchange.last_step.as_dict()})
         if save_dir is not None and step == save_at and sharded_checkpoint:
             import torch.distributed.checkpoint as dcp
@@ -163,7 +163,7 @@ def train(rank, world_size, opt_name, opt_kwargs, steps, save_dir=None, save_at=
     out = {"history": history, "segments": segments, "stats": opt.onebit_stats(), "global": opt.global_state(),
            # the segments that hold a work buffer, and the bucket layout of the last step
            "work_held": sorted(seg.key for seg in opt.exchange.segments if seg._work is not None),
-           "last_layout": sorted(opt.link.layout) if opt.link is not None and opt.link.layout else []}
+           "last_layout": sorted(opt.hook_state.layout) if opt.hook_state is not None and opt.hook_state.layout else []}
     if record_steps:
         out["steps"] = per_step
     return out

@@ -47,7 +47,7 @@ def train(args, start, stop, save_dir=None, load_dir=None):
     model, optimizer = accelerator.prepare(model, optimizer)
     onebit = attach(accelerator, model, optimizer)
     calls = []
-    inner, link = onebit.optimizer, onebit.optimizer.link
+    inner, link = onebit.optimizer, onebit.optimizer.hook_state
     original = link.reduce
 
     def counting(params, buffer, grads):

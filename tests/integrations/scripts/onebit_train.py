@@ -67,14 +67,14 @@ class Recorder(TrainerCallback):
         opt = unwrap_optimizer(optimizer)
         if not isinstance(opt, hf_onebit.OneBitOptimizer):
             return
-        original = opt.link.reduce
+        original = opt.hook_state.reduce
 
         def counting(params, buffer, grads):
             self.calls.append((opt.steps_done + 1, len(params)))
             self.numels.append((opt.steps_done + 1, sum(p.numel() for p in params)))
             return original(params, buffer, grads)
 
-        opt.link.reduce = counting
+        opt.hook_state.reduce = counting
 
 
 class GradCheckTrainer(hf_onebit.OneBitTrainer):

@@ -49,16 +49,16 @@ class Observer(TrainerCallback):
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         opt = unwrap_optimizer(optimizer)
-        if not isinstance(opt, OneBitOptimizer) or opt.link is None:
+        if not isinstance(opt, OneBitOptimizer) or opt.hook_state is None:
             return
         self.opt = opt
-        original = opt.link.reduce
+        original = opt.hook_state.reduce
 
         def counting(params, buffer, grads):
             self.calls[opt.steps_done + 1] += 1
             return original(params, buffer, grads)
 
-        opt.link.reduce = counting
+        opt.hook_state.reduce = counting
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.opt is not None:
