@@ -110,12 +110,15 @@ class Exchange:
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group) if dist.is_initialized() else 1
 
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group) if dist.is_initialized() else 0
+
     def nodes(self) -> NodeTopology | None:
         """The node layout of the exchange by node, or ``None`` for the flat exchange.
 
-        Decided once, from ``LOCAL_WORLD_SIZE`` and the world size. Unless
-        ``hierarchical=False``, the first call is collective (attach makes it on every rank): ranks
-        that read different
+        Decided once, from ``LOCAL_WORLD_SIZE`` and the world size. Unless ``hierarchical=False``,
+        the first call is collective (attach makes it on every rank): ranks that read different
         ``LOCAL_WORLD_SIZE`` values all raise ``ValueError``, as they would otherwise build
         different exchanges.
         """
@@ -136,10 +139,6 @@ class Exchange:
             if self.hierarchical:
                 raise ValueError(f"{self.owner}(hierarchical=True): {exc}") from None
             return None
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.process_group) if dist.is_initialized() else 0
 
     # ---------------------------------------------------------------- jobs
     def submit(self, device: torch.device, job: Callable[[], Any]) -> torch.futures.Future:
@@ -183,7 +182,7 @@ class Exchange:
         if self._vote is None:
             nodes = self.nodes()
             self._vote = VoteAllGather(self.process_group, self.world_size, nodes, self.stats)
-            if nodes is not None and dist.get_rank(self.process_group) == 0:
+            if nodes is not None and self.rank == 0:
                 logger.info("hf_onebit %s: hierarchical votes, %d nodes of %d ranks", self.owner, nodes.nodes, nodes.local_size)
         return self._vote
 

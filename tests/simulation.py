@@ -323,9 +323,11 @@ class OneBitAdamSimulation:
 
     def __init__(self, params, n, segments, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
                  freeze_step=10, bias_correction=True, auto_mask=True, scale_per_tensor=False, update_clip=None,
-                 nodes=None, warmup_bits=None, warmup_layouts=None, scale_block=None):
+                 nodes=None, warmup_bits=None, warmup_layouts=None, scale_block=None, precondition_exchange=False):
         """``warmup_bits``, ``warmup_layouts``: the warmup's exchange (:class:`WarmupExchange`),
-        cleared at the freeze."""
+        cleared at the freeze. ``precondition_exchange``: the ranks exchange ``m/d`` with ``d =
+        sqrt(v̂)+eps`` of the frozen variance, and the average times ``d`` is the momentum."""
+        self.precondition = precondition_exchange
         self.auto_mask, self.update_clip = auto_mask, update_clip
         self.warmup = WarmupExchange([np.asarray(x).size for x in params], n, warmup_bits, warmup_layouts,
                                      scale_per_tensor, scale_block)
@@ -355,11 +357,17 @@ class OneBitAdamSimulation:
             if t == self.F + 1 and self.auto_mask:  # the mask is fixed when compression starts
                 bc2 = (1 - self.b2 ** max(self.F, 1)) if self.bc else 1.0
                 self.seen = [keep_mask(s, v / np.float32(bc2), self.eps) for s, v in zip(self.seen, self.v)]
+            bc2 = np.float32(np.sqrt((1 - self.b2 ** max(self.F, 1)) if self.bc else 1.0))
             for seg in self.segments:
+                d = np.concatenate([(np.sqrt(self.v[k]) / bc2 + np.float32(self.eps)).ravel() for k in seg])
                 local = [np.concatenate([(b1 * self.m[k] + (1 - b1) * grads[r][k]).ravel() for k in seg])
                          for r in range(self.n)]
+                if self.precondition:
+                    local = [x / d for x in local]
                 avg = self.comm[tuple(seg)].step(local)
                 avg = avg[0] if isinstance(avg, tuple) else avg
+                if self.precondition:
+                    avg = avg * d
                 off = 0
                 for k in seg:
                     size = self.p[k].size

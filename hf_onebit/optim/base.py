@@ -190,7 +190,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.process_group) if dist.is_initialized() else 0
+        return self.exchange.rank
 
     def replace_params(self, replacement: dict[int, torch.Tensor]) -> None:
         """Put ``replacement[id(p)]`` in place of each listed parameter ``p``, keeping its state.

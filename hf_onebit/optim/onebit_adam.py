@@ -28,7 +28,7 @@ from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_default
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
 from hf_onebit.optim.update_clip import check_update_clip, clip_roots_
-from hf_onebit.optim.validation import check_warmup_bits
+from hf_onebit.optim.validation import check_bool, check_warmup_bits
 
 
 def adam_update_(
@@ -107,6 +107,14 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             precision, ``8`` or ``4`` with the b-bit exchange and error feedback (``2·b/8``
             bytes per element per rank instead of ``8``; Adam's moments are built from the
             exchanged gradient). The error buffers are the compression phase's, zeroed at the freeze.
+        precondition_exchange: after the freeze, exchange ``m/d`` with ``d = sqrt(v̂)+eps`` and take
+            back the average times ``d``, instead of exchanging ``m`` (the paper). The frozen ``v̂`` is
+            the same on every rank, so without compression both give the mean momentum
+            (``mean(m/d)·d = mean(m)``); with it, the 1-bit scales and the error feedback are in
+            the units of the step: each coordinate of a scale block moves by about the same
+            amount, where 1-bit momentum moves it by ``scale/d``, largest where ``v̂`` is small.
+            Two more list ops per bucket and call. Default ``False`` (an option under
+            measurement: ``docs/results.md``).
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
             that is left out takes the library's value; ``"paper"``: the paper's value instead.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
@@ -129,6 +137,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         update_clip: float | None = LIBRARY_DEFAULT,
         hierarchical: bool | None = False,
         warmup_bits: int | None = LIBRARY_DEFAULT,
+        precondition_exchange: bool = False,
         defaults: str = "library",
         total_steps: int | None = None,
     ) -> None:
@@ -144,6 +153,8 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         super().__init__(params, group_defaults, scale_per_tensor=scale_per_tensor, scale_block=scale_block,
                          check_finite=check_finite, hierarchical=hierarchical)
         self.auto_mask = auto_mask
+        check_bool(precondition_exchange, "OneBitAdam: precondition_exchange")
+        self.precondition_exchange = precondition_exchange
         if not bias_correction:
             self.warn_uncorrected_variance(betas[1])
 
@@ -180,7 +191,24 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             # _init_state: with freeze_step=0 compression starts before any step() created the state
             m = [self._init_state(params[i])["exp_avg"] for i in index]
             mixed = torch._foreach_lerp(m, [grads[i] for i in index], 1 - beta1)  # β1·m + (1-β1)·g in one pass
+            if self.precondition_exchange:
+                torch._foreach_div_(mixed, self._step_denominators([params[i] for i in index]))
             torch._foreach_copy_([outs[i] for i in index], mixed)
+
+    def finish_bucket(self, plan, params, results, grads, scale) -> None:
+        """With ``precondition_exchange``: the averaged ``m/d`` back to momentum (``·d``), then as the base."""
+        if self.precondition_exchange and plan is Plan.COMPRESS_MOMENTUM:
+            torch._foreach_mul_(results, self._step_denominators(params))
+        super().finish_bucket(plan, params, results, grads, scale)
+
+    def _step_denominators(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``sqrt(v̂) + eps`` of the frozen variance for each of ``params`` (new tensors)."""
+        d = torch._foreach_sqrt([self.state[p]["exp_avg_sq"] for p in params])
+        for (correction, eps), index in self._by_group(params, lambda g: (self.frozen_variance_correction(g), g["eps"])):
+            part = [d[i] for i in index]
+            torch._foreach_div_(part, math.sqrt(correction))
+            torch._foreach_add_(part, eps)
+        return d
 
     # ---------------------------------------------------------------- step
     #: A step whose gradients are not all finite leaves every state tensor as it was (see

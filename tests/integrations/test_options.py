@@ -78,7 +78,7 @@ def test_stock_names_still_work():
 @pytest.mark.parametrize("argv, message", [
     (["--optim", "onebit_adamm"], r"'onebit_adamm' is not a known optimizer.*onebit_adam, zeroone_adam, onebit_lamb, binsgdm.*adamw_torch"),
     (["--optim", "onebit_adam", "--optim_args", "freez_step=3"],
-     r"unknown key 'freez_step' for --optim onebit_adam.*valid keys: auto_mask, bias_correction, check_finite, defaults, freeze_step, hierarchical, scale_block, scale_per_tensor, total_steps, update_clip, warmup_bits"),
+     r"unknown key 'freez_step' for --optim onebit_adam.*valid keys: auto_mask, bias_correction, check_finite, defaults, freeze_step, hierarchical, precondition_exchange, scale_block, scale_per_tensor, total_steps, update_clip, warmup_bits"),
     (["--optim", "onebit_adam", "--optim_args", "freeze_step=ten"], r"freeze_step must be an integer >= 0 or 'auto', got 'ten'"),
     (["--optim", "onebit_adam", "--optim_args", "auto_mask=maybe"], r"auto_mask='maybe' is not a boolean"),
     (["--optim", "onebit_adam", "--optim_args", "lr=3"], r"lr comes from the training arguments.*--learning_rate"),

@@ -57,11 +57,13 @@ def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_
     _follows_simulation_through_the_freeze(world_size, bias_correction)
 
 
-def _follows_simulation_through_the_freeze(world_size, bias_correction, per_tensor=False, update_clip=None):
+def _follows_simulation_through_the_freeze(world_size, bias_correction, per_tensor=False, update_clip=None,
+                                           precondition=False):
     """Trains 16 steps (freeze at 6) and checks every step against the simulation; returns the runs."""
     steps, freeze = 16, 6
     kwargs = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, freeze_step=freeze,
-                  bias_correction=bias_correction, scale_per_tensor=per_tensor, update_clip=update_clip)
+                  bias_correction=bias_correction, scale_per_tensor=per_tensor, update_clip=update_clip,
+                  precondition_exchange=precondition)
     outs = run_distributed(partial(train, tiny_grads=True), world_size, "OneBitAdam", kwargs, steps)
     segments = outs[0]["segments"]
     assert len(segments) > 1, "the test wants several DDP buckets"
@@ -69,13 +71,21 @@ def _follows_simulation_through_the_freeze(world_size, bias_correction, per_tens
     init = [p.detach().numpy() for p in FixedGradModel().parameters()]
     sim = OneBitAdamSimulation(init, world_size, [list(s) for s in segments], lr=1e-2, wd=0.01,
                                freeze_step=freeze, bias_correction=bias_correction, scale_per_tensor=per_tensor,
-                               update_clip=update_clip)
+                               update_clip=update_clip, precondition_exchange=precondition)
     _assert_follows(sim, outs, steps, world_size)
     stats = outs[0]["stats"]
     assert stats["phase"] == "compression"
     assert stats["last_step_rounds"] == 3 * len(segments)
     assert stats["compression_ratio"] > 1
     return outs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_the_preconditioned_exchange_matches_its_simulation(world_size, bias_correction):
+    """precondition_exchange: the ranks exchange m/(sqrt(v̂)+eps), which the simulation models."""
+    _follows_simulation_through_the_freeze(world_size, bias_correction, per_tensor=True, update_clip=1.0,
+                                           precondition=True)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
