@@ -110,7 +110,7 @@ def test_help_lists_our_names_and_their_optim_args(patched):
 
     text = " ".join(HfArgumentParser(TrainingArguments).format_help().split())
     assert ("onebit_adam: auto_mask, bias_correction, check_finite, defaults, freeze_step, hierarchical,"
-            " scale_block, scale_per_tensor, total_steps, update_clip, warmup_bits") in text
+            " precondition_exchange, scale_block, scale_per_tensor, total_steps, update_clip, warmup_bits") in text
     assert "zeroone_adam:" in text and "freeze_step (= var_freeze_step)" in text
     assert "hf_onebit (through hf_onebit.run): onebit_adam, zeroone_adam, onebit_lamb, binsgdm" in text
     patched.uninstall()
