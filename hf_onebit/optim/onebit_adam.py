@@ -114,7 +114,10 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             the units of the step: each coordinate of a scale block moves by about the same
             amount, where 1-bit momentum moves it by ``scale/d``, largest where ``v̂`` is small.
             Two more list ops per bucket and call. Default ``False`` (an option under
-            measurement: ``docs/results.md``).
+            measurement: ``docs/results.md``). Known defect: a coordinate whose ``v̂`` is ~0 at the
+            freeze (an embedding row first seen after it) sends ~``g/eps``, which swamps its
+            block's scale and gives its neighbours ``±update_clip``-sized steps; the momentum
+            ``.grad`` holds is then far larger than the default's.
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
             that is left out takes the library's value; ``"paper"``: the paper's value instead.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
