@@ -44,19 +44,25 @@ class OneBitOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.is_sparse:
                     raise ValueError("hf_onebit optimizers do not support sparse parameters")
-        #: One compression scale per parameter tensor of a bucket instead of one per rank and
-        #: chunk (see :class:`~hf_onebit.comm.CompressedAllReduce`'s ``piece_sizes``).
-        self.scale_per_tensor = bool(scale_per_tensor)
-        #: At most this many elements per compression scale (``None``: no limit).
-        self.scale_block = check_scale_block(scale_block)
         #: Everything this optimizer puts on the wire (:class:`~hf_onebit.exchange.Exchange`).
         self.exchange = Exchange(type(self).__name__, self.params_in_order, hierarchical=hierarchical,
-                                 scale_per_tensor=self.scale_per_tensor, scale_block=self.scale_block,
+                                 scale_per_tensor=scale_per_tensor, scale_block=check_scale_block(scale_block),
                                  separate_coded_errors=self.separate_coded_errors)
         self._workspace = Workspace()  # the step's temporaries (see workspace.py)
         self.steps_done = 0  # optimizer steps completed (t of the last step)
         self._step_plan: Plan | None = None  # the plan of the step under way (begin_step sets it)
         self._last_phase: str | None = None
+
+    @property
+    def scale_per_tensor(self) -> bool:
+        """One compression scale per parameter tensor of a bucket instead of one per rank and
+        chunk (see :class:`~hf_onebit.comm.CompressedAllReduce`'s ``piece_sizes``)."""
+        return self.exchange.scale_per_tensor
+
+    @property
+    def scale_block(self) -> int | None:
+        """At most this many elements per compression scale (``None``: no limit)."""
+        return self.exchange.scale_block
 
     @property
     def hook_state(self):
