@@ -326,7 +326,7 @@ class OneBitAdamSimulation:
                  nodes=None, warmup_bits=None, warmup_layouts=None, scale_block=None, precondition_exchange=False):
         """``warmup_bits``, ``warmup_layouts``: the warmup's exchange (:class:`WarmupExchange`),
         cleared at the freeze. ``precondition_exchange``: the ranks exchange ``m/d`` with ``d =
-        sqrt(v̂)+eps`` of the frozen variance, and the average times ``d`` is the momentum."""
+        sqrt(v̂)+eps`` of the frozen variance (0 where masked), and the average times ``d`` is the momentum."""
         self.precondition = precondition_exchange
         self.auto_mask, self.update_clip = auto_mask, update_clip
         self.warmup = WarmupExchange([np.asarray(x).size for x in params], n, warmup_bits, warmup_layouts,
@@ -362,8 +362,9 @@ class OneBitAdamSimulation:
                 d = np.concatenate([(np.sqrt(self.v[k]) / bc2 + np.float32(self.eps)).ravel() for k in seg])
                 local = [np.concatenate([(b1 * self.m[k] + (1 - b1) * grads[r][k]).ravel() for k in seg])
                          for r in range(self.n)]
-                if self.precondition:
-                    local = [x / d for x in local]
+                if self.precondition:  # masked coordinates send 0
+                    keep = np.concatenate([self.seen[k].ravel() for k in seg]) if self.auto_mask else 1
+                    local = [x / d * keep for x in local]
                 avg = self.comm[tuple(seg)].step(local)
                 avg = avg[0] if isinstance(avg, tuple) else avg
                 if self.precondition:

@@ -81,7 +81,12 @@ class ZeroGradientMasks:
 
     def apply_masks_(self, chunk, moments: list[torch.Tensor]) -> None:
         """``m *= mask`` for the parameters of ``chunk`` that have a mask (one list op)."""
-        masked = [(m, s["mask"]) for m, s in zip(moments, chunk.states) if "mask" in s]
+        self.mask_(chunk.states, moments)
+
+    @staticmethod
+    def mask_(states: list[dict], tensors: list[torch.Tensor]) -> None:
+        """``x *= mask`` for each of ``tensors`` whose parameter state has a mask (one list op)."""
+        masked = [(m, s["mask"]) for m, s in zip(tensors, states) if "mask" in s]
         if masked:
             torch._foreach_mul_([m for m, _ in masked], [mask for _, mask in masked])
 

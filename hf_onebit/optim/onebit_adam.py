@@ -113,11 +113,9 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             (``mean(m/d)·d = mean(m)``); with it, the 1-bit scales and the error feedback are in
             the units of the step: each coordinate of a scale block moves by about the same
             amount, where 1-bit momentum moves it by ``scale/d``, largest where ``v̂`` is small.
-            Two more list ops per bucket and call. Default ``False`` (an option under
-            measurement: ``docs/results.md``). Known defect: a coordinate whose ``v̂`` is ~0 at the
-            freeze (an embedding row first seen after it) sends ~``g/eps``, which swamps its
-            block's scale and gives its neighbours ``±update_clip``-sized steps; the momentum
-            ``.grad`` holds is then far larger than the default's.
+            Masked coordinates (``auto_mask``: ``v̂ ≈ 0``, which would send ~``g/eps``) send 0.
+            Two or three more list ops per bucket and call. Default ``False`` (an option under
+            measurement: ``docs/results.md``).
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
             that is left out takes the library's value; ``"paper"``: the paper's value instead.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
@@ -195,7 +193,10 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             m = [self._init_state(params[i])["exp_avg"] for i in index]
             mixed = torch._foreach_lerp(m, [grads[i] for i in index], 1 - beta1)  # β1·m + (1-β1)·g in one pass
             if self.precondition_exchange:
-                torch._foreach_div_(mixed, self._step_denominators([params[i] for i in index]))
+                mine = [params[i] for i in index]
+                torch._foreach_div_(mixed, self._step_denominators(mine))
+                # masked coordinates (v̂ ≈ 0) would send ~g/eps and swamp their block's scale
+                self.mask_([self.state[p] for p in mine], mixed)
             torch._foreach_copy_([outs[i] for i in index], mixed)
 
     def finish_bucket(self, plan, params, results, grads, scale) -> None:
@@ -223,7 +224,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         loss, t, plan = self.begin_step(closure)
         synced = self.check_synced(t) if plan is not Plan.ALLREDUCE else False  # b-bit warmups need the hook too
         compress = plan is Plan.COMPRESS_MOMENTUM
-        if compress and t == self.freeze_step + 1:
+        if compress and t == 1:  # freeze_step=0 (otherwise the masks are made at the end of the warmup)
             self.freeze_masks()
         ok = self.finite_ok  # a device flag: mask this step's update with it (None: nothing to mask)
         for chunk in chunks(self, self._init_state, ok=ok):
@@ -261,6 +262,8 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             )
         if not compress:
             self.observe_variance(t, t)
+            if t == self.freeze_step:  # the last warmup step: the hook's next exchange reads the masks
+                self.freeze_masks()
         self._after_step()
         return loss
 

@@ -129,6 +129,12 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             ``-ū/λ`` is restored: as a decaying schedule takes ``λ`` towards 0 at the end of a
             run, the restored momentum becomes mostly compression residue. ``False`` (default):
             the paper's.
+        precondition_exchange: at a sync, compress ``u`` itself (the move since the last sync,
+            in parameter units) instead of ``u ⊙ (sqrt(v)+eps)``, and multiply the average by
+            ``sqrt(v)+eps`` afterwards. The frozen ``v`` is the same on every rank, so without
+            compression both give the same mean; with it, the scales and the error feedback are
+            in the units of the step, as 1-bit Adam's option of the same name does. ``False``
+            (default): the paper's.
         warmup_bits: how the variance steps exchange the gradient: ``8`` (the default) or ``4``
             with the b-bit exchange (``docs/algorithms.md``, "Exchanges"), with error buffers of
             its own (4 bytes per parameter during the variance phase), apart from the 1-bit
@@ -229,6 +235,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         refresh_mask: bool = False,
         momentum_correction: bool = LIBRARY_DEFAULT,
         sync_in_momentum_units: bool = False,
+        precondition_exchange: bool = False,
         hierarchical: bool | None = False,
         warmup_bits: int | None = LIBRARY_DEFAULT,
         defaults: str = "library",
@@ -244,8 +251,10 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         self.warmup_bits = check_warmup_bits(warmup_bits)
         for name, switch in (("clip_synced_momentum", clip_synced_momentum), ("refresh_mask", refresh_mask),
                              ("momentum_correction", momentum_correction),
-                             ("sync_in_momentum_units", sync_in_momentum_units)):
+                             ("sync_in_momentum_units", sync_in_momentum_units),
+                             ("precondition_exchange", precondition_exchange)):
             check_bool(switch, name)
+        self.precondition_exchange = precondition_exchange
         self.clip_synced_momentum = clip_synced_momentum
         self.sync_in_momentum_units = sync_in_momentum_units
         self.refresh_mask = refresh_mask
@@ -516,7 +525,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             for chunk, out in seg_parts:
                 roots = self._roots(chunk)  # kept for the restart below, which clips them by ū
                 torch._foreach_copy_(out, chunk.state("momentum_accumulator"))
-                torch._foreach_mul_(out, torch._foreach_add(roots, chunk.group["eps"]))
+                if not self.precondition_exchange:
+                    torch._foreach_mul_(out, torch._foreach_add(roots, chunk.group["eps"]))
                 if self.sync_in_momentum_units:
                     self._per_live_tensor(chunk, out, torch._foreach_div_)
                 with_roots.append((chunk, out, roots))
@@ -525,6 +535,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         for fut, seg_parts in zip(futures, parts):
             fut.wait()
             for chunk, ubar, roots in seg_parts:
+                if self.precondition_exchange:  # the mean move back to u ⊙ (sqrt(v)+eps)
+                    torch._foreach_mul_(ubar, torch._foreach_add(roots, chunk.group["eps"]))
                 self.apply_masks_(chunk, ubar)
                 # λ = 0: no local step since the last sync on any rank (a frozen parameter, no
                 # gradient, or lr 0), so u = 0 everywhere and the exact mean is 0; ū is then only

@@ -38,10 +38,10 @@ def test_warmup_equals_adamw_on_the_averaged_gradient(world_size):
     assert outs[0]["stats"]["phase"] == "warmup"
 
 
-def _assert_follows(sim, outs, steps, world_size):
+def _assert_follows(sim, outs, steps, world_size, late=False):
     """Every rank's parameters after every step: the simulation's, and bitwise the same on all ranks."""
     for step in range(1, steps + 1):
-        grads = [[g.numpy() for g in fixed_grads(step, r, tiny=True)] for r in range(world_size)]
+        grads = [[g.numpy() for g in fixed_grads(step, r, tiny=True, late=late)] for r in range(world_size)]
         expected = sim.step(grads)
         for r in range(world_size):
             for got, want in zip(outs[r]["history"][step - 1], expected):
@@ -58,13 +58,13 @@ def test_trajectory_matches_spec_simulation_through_the_freeze(world_size, bias_
 
 
 def _follows_simulation_through_the_freeze(world_size, bias_correction, per_tensor=False, update_clip=None,
-                                           precondition=False):
-    """Trains 16 steps (freeze at 6) and checks every step against the simulation; returns the runs."""
-    steps, freeze = 16, 6
+                                           precondition=False, freeze=6, late=False):
+    """Trains 16 steps (freeze at ``freeze``) and checks every step against the simulation; returns the runs."""
+    steps = 16
     kwargs = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, freeze_step=freeze,
                   bias_correction=bias_correction, scale_per_tensor=per_tensor, update_clip=update_clip,
                   precondition_exchange=precondition)
-    outs = run_distributed(partial(train, tiny_grads=True), world_size, "OneBitAdam", kwargs, steps)
+    outs = run_distributed(partial(train, tiny_grads=True, late_grads=late), world_size, "OneBitAdam", kwargs, steps)
     segments = outs[0]["segments"]
     assert len(segments) > 1, "the test wants several DDP buckets"
     torch.manual_seed(0)
@@ -72,7 +72,7 @@ def _follows_simulation_through_the_freeze(world_size, bias_correction, per_tens
     sim = OneBitAdamSimulation(init, world_size, [list(s) for s in segments], lr=1e-2, wd=0.01,
                                freeze_step=freeze, bias_correction=bias_correction, scale_per_tensor=per_tensor,
                                update_clip=update_clip, precondition_exchange=precondition)
-    _assert_follows(sim, outs, steps, world_size)
+    _assert_follows(sim, outs, steps, world_size, late)
     stats = outs[0]["stats"]
     assert stats["phase"] == "compression"
     assert stats["last_step_rounds"] == 3 * len(segments)
@@ -86,6 +86,17 @@ def test_the_preconditioned_exchange_matches_its_simulation(world_size, bias_cor
     """precondition_exchange: the ranks exchange m/(sqrt(v̂)+eps), which the simulation models."""
     _follows_simulation_through_the_freeze(world_size, bias_correction, per_tensor=True, update_clip=1.0,
                                            precondition=True)
+
+
+def test_coordinates_first_seen_after_the_freeze_send_nothing_when_preconditioned():
+    """Coordinates with no gradient before the freeze (v̂ = 0, masked) get one after it: with
+    precondition_exchange they send 0, not ~g/eps, so their block's scale and their neighbours'
+    steps stay what the simulation says."""
+    from tests.optim.harness import LATE_FROM
+
+    freeze = LATE_FROM - 2
+    _follows_simulation_through_the_freeze(2, True, per_tensor=True, update_clip=1.0, precondition=True,
+                                           freeze=freeze, late=True)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

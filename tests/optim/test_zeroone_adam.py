@@ -55,8 +55,10 @@ class ZeroOneAdamSimulation:
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  auto_mask=True, bias_correction=False, scale_per_tensor=False, update_clip=None,
                  clip_synced_momentum=True, refresh_mask=False, momentum_correction=False, sync_in_momentum_units=False,
-                 nodes=None, warmup_bits=None, warmup_layouts=None):
+                 nodes=None, warmup_bits=None, warmup_layouts=None, precondition_exchange=False):
         self.n = n
+        # hf_onebit's option: a sync compresses u, and the mean times sqrt(v̂)+eps is ū
+        self.precondition = precondition_exchange
         # hf_onebit's option: a sync compresses u ⊙ (sqrt(v)+eps) / λ and multiplies the mean by λ
         self.momentum_units = sync_in_momentum_units
         # hf_onebit's option: steps that do not update v divide by max(sqrt(v̂), |m|/c) + eps (with
@@ -182,11 +184,14 @@ class ZeroOneAdamSimulation:
             if sync:
                 kind = S
                 per = [np.float32(self.lam[r]) if self.momentum_units and self.lam[r] > 0 else None for r in range(n)]
+                units = [np.float32(1) if self.precondition else self._denom(k) for k in range(P)]
                 ubar = self._compressed_allreduce(
-                    [[self.u[r][k] * self._denom(k) / per[r] if per[r] else self.u[r][k] * self._denom(k)
+                    [[self.u[r][k] * units[k] / per[r] if per[r] else self.u[r][k] * units[k]
                       for k in range(P)] for r in range(n)])
                 if per[0]:  # λ is the same on every rank
                     ubar = [u * per[0] for u in ubar]
+                if self.precondition:
+                    ubar = [u * self._denom(k) for k, u in enumerate(ubar)]
                 if n > 1:  # one process: the "compressed" all-reduce is exact, nothing to mask
                     ubar = [u * mk for u, mk in zip(ubar, self.mask)]
                 for r in range(n):
@@ -457,6 +462,17 @@ def test_sync_in_momentum_units_matches_its_simulation():
                   "sync_in_momentum_units")
 
 
+def _precondition_run(rank, world_size):
+    return train(rank, world_size, OPT, dict(KWARGS, precondition_exchange=True, update_clip=CLIP), STEPS,
+                 record_steps=True)
+
+
+def test_the_preconditioned_sync_matches_its_simulation():
+    """precondition_exchange=True: a sync compresses u, not u ⊙ (sqrt(v̂)+eps)."""
+    _check_option(_precondition_run, dict(KWARGS, precondition_exchange=True, update_clip=CLIP),
+                  "precondition_exchange")
+
+
 def test_refresh_mask_and_momentum_correction_are_validated():
     from hf_onebit.optim.zeroone_adam import ZeroOneAdam
 
@@ -466,6 +482,8 @@ def test_refresh_mask_and_momentum_correction_are_validated():
         ZeroOneAdam([torch.nn.Parameter(torch.ones(2))], momentum_correction="yes")
     with pytest.raises(TypeError, match="sync_in_momentum_units"):
         ZeroOneAdam([torch.nn.Parameter(torch.ones(2))], sync_in_momentum_units=1)
+    with pytest.raises(TypeError, match="precondition_exchange"):
+        ZeroOneAdam([torch.nn.Parameter(torch.ones(2))], precondition_exchange=1)
 
 
 CLIP = 0.5
