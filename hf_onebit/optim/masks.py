@@ -13,7 +13,7 @@ compression starts (``auto_mask``), unless a mask was set explicitly with ``set_
 exactly 0 and stays exactly 0 for as long as every ``g`` is exactly 0, so where ``v == 0`` at the
 freeze the averaged gradient was zero on every warmup step (or so small, below ~1e-22, that its
 square underflowed: the tiny-RMS rule below masks such coordinates anyway). The masks are made
-from ``v`` when compression starts.
+from ``v`` in the last warmup step (0/1 Adam: in its first compressing step).
 
 The same runaway hits coordinates whose gradient is not exactly zero but negligible: BERT's
 attention key biases get ~1e-12 (softmax ignores the constant they add), so ``sqrt(v) << eps``

@@ -323,7 +323,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     # the device flag that masks the step (see masks_non_finite_steps). Workspace slots: 0
     # sqrt(v)+eps; 1 u (warmup); 3 fp32 copies of low-precision parameters.
 
-    def _one(self, device: torch.device) -> torch.Tensor:
+    def _one_on(self, device: torch.device) -> torch.Tensor:
         """A 0-dim fp32 1.0 on ``device``, made once (``torch.fmin`` takes no Python scalar)."""
         ones = self.__dict__.setdefault("_ones", {})
         if device not in ones:
@@ -473,7 +473,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         if norms:  # weight decay: f ← ρ·f + 1 − ρ with ρ = min(1, ‖u before decay‖/‖u‖)
             prelim_norm, u_norm = norms
             # min(prelim/u_norm, 1), and 1 where u_norm = 0: x/0 is inf or NaN, which fmin maps to 1
-            rho = torch.fmin(prelim_norm / u_norm, self._one(u_norm.device))
+            rho = torch.fmin(prelim_norm / u_norm, self._one_on(u_norm.device))
             factor = rho * factor + (1 - rho)
         factor = factor.clamp(group["factor_min"], group["factor_max"])
         last_list = chunk.state("last_factor")

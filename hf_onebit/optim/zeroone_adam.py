@@ -459,11 +459,12 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             # momentum the sync restores, u ⊙ (sqrt(v̂)+eps)/λ) and the sync's clip bounds where
             # the ranks land. After several local steps u takes the clipped ones either way, so
             # the sync lands on the mean of where the ranks went (docs/algorithms.md).
-            lone = [not self.clip_synced_momentum and plan is Plan.SYNC_AFTER_STEP and s["lr_sum"] == 0.0
-                    for s in chunk.states]
-            for is_lone in sorted(set(lone)):  # usually one pass: every tensor alike
-                part = chunk if len(set(lone)) == 1 else chunk.subset([i for i, x in enumerate(lone) if x == is_lone])
-                self._local_update(part, clip, is_lone, ok)
+            unclipped_u = [not self.clip_synced_momentum and plan is Plan.SYNC_AFTER_STEP and s["lr_sum"] == 0.0
+                           for s in chunk.states]
+            for kind in sorted(set(unclipped_u)):  # usually one pass: every tensor alike
+                part = chunk if len(set(unclipped_u)) == 1 else chunk.subset(
+                    [i for i, x in enumerate(unclipped_u) if x == kind])
+                self._local_update(part, clip, kind, ok)
         if plan is Plan.SYNC_AFTER_STEP:
             self._sync()
         self.local_counter += 1
@@ -471,7 +472,9 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             self.local_counter = 0
             self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
 
-    def _local_update(self, chunk: Chunk, clip: bool, lone: bool, ok: torch.Tensor | None) -> None:
+    def _local_update(self, chunk: Chunk, clip: bool, unclipped_u: bool, ok: torch.Tensor | None) -> None:
+        """One local step: ``m``, then ``p -= Δ`` and ``u -= Δ`` (``unclipped_u``: ``u`` takes the
+        unclipped ``Δ``, see the caller)."""
         group = chunk.group
         beta1 = group["betas"][0]
         lr, wd = group["lr"], group["weight_decay"]
@@ -479,9 +482,9 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         torch._foreach_mul_(m, masked_factor(beta1, ok))
         torch._foreach_add_(m, chunk.grads, alpha=1 - beta1)
         self.apply_masks_(chunk, m)
-        delta = self._deltas(chunk, m, self._denominators(chunk, m if clip and not lone else None), lr, wd, ok)
+        delta = self._deltas(chunk, m, self._denominators(chunk, m if clip and not unclipped_u else None), lr, wd, ok)
         torch._foreach_sub_(chunk.state("momentum_accumulator"), delta)
-        if clip and lone:
+        if clip and unclipped_u:
             delta = self._deltas(chunk, m, self._denominators(chunk, m), lr, wd, ok)
         self._update(chunk, delta)
         for state in chunk.states:  # on the host, so a masked step counts too (λ is documented so)
