@@ -90,6 +90,33 @@ class ZeroGradientMasks:
         if masked:
             torch._foreach_mul_([m for m, _ in masked], [mask for _, mask in masked])
 
+    # ---------------------------------------------------------------- precondition_exchange
+    def frozen_denominators(self, params: list[torch.Tensor], root_scale) -> list[torch.Tensor]:
+        """``sqrt(v)·root_scale(group) + eps`` for each of ``params`` (new tensors): the step's
+        denominators of the frozen variance (``root_scale``: its bias correction, or 1)."""
+        d = torch._foreach_sqrt([self.state[p]["exp_avg_sq"] for p in params])
+        for (scale, eps), index in self._by_group(params, lambda g: (root_scale(g), g["eps"])):
+            part = [d[i] for i in index]
+            if scale != 1.0:
+                torch._foreach_mul_(part, scale)
+            torch._foreach_add_(part, eps)
+        return d
+
+    def to_step_units_(self, params: list[torch.Tensor], xs: list[torch.Tensor], root_scale) -> None:
+        """``x /= sqrt(v̂)+eps``, then 0 where masked: what ``precondition_exchange`` sends.
+
+        The frozen ``v̂`` is the same on every rank, so ``mean(x/d)·d = mean(x)``: without
+        compression nothing changes; with it, the scales and the error feedback are in the units
+        of the step. A masked coordinate (``v̂ ≈ 0``) would send ~``x/eps`` and swamp its block's
+        scale; it sends 0 (its momentum stays 0 anyway).
+        """
+        torch._foreach_div_(xs, self.frozen_denominators(params, root_scale))
+        self.mask_([self.state[p] for p in params], xs)
+
+    def from_step_units_(self, params: list[torch.Tensor], xs: list[torch.Tensor], root_scale) -> None:
+        """``x *= sqrt(v̂)+eps``: the exchanged mean back from :meth:`to_step_units_`."""
+        torch._foreach_mul_(xs, self.frozen_denominators(params, root_scale))
+
     def _tiny_rms_threshold(self, group: dict) -> float:
         """``sqrt(v)`` below this is masked: ``sqrt(v / c) >= TINY·eps  <=>  sqrt(v) >= TINY·eps·sqrt(c)``
         (no temporary for ``v / c``)."""

@@ -193,26 +193,18 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             m = [self._init_state(params[i])["exp_avg"] for i in index]
             mixed = torch._foreach_lerp(m, [grads[i] for i in index], 1 - beta1)  # β1·m + (1-β1)·g in one pass
             if self.precondition_exchange:
-                mine = [params[i] for i in index]
-                torch._foreach_div_(mixed, self._step_denominators(mine))
-                # masked coordinates (v̂ ≈ 0) would send ~g/eps and swamp their block's scale
-                self.mask_([self.state[p] for p in mine], mixed)
+                self.to_step_units_([params[i] for i in index], mixed, self._root_scale)
             torch._foreach_copy_([outs[i] for i in index], mixed)
 
     def finish_bucket(self, plan, params, results, grads, scale) -> None:
         """With ``precondition_exchange``: the averaged ``m/d`` back to momentum (``·d``), then as the base."""
         if self.precondition_exchange and plan is Plan.COMPRESS_MOMENTUM:
-            torch._foreach_mul_(results, self._step_denominators(params))
+            self.from_step_units_(params, results, self._root_scale)
         super().finish_bucket(plan, params, results, grads, scale)
 
-    def _step_denominators(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``sqrt(v̂) + eps`` of the frozen variance for each of ``params`` (new tensors)."""
-        d = torch._foreach_sqrt([self.state[p]["exp_avg_sq"] for p in params])
-        for (correction, eps), index in self._by_group(params, lambda g: (self.frozen_variance_correction(g), g["eps"])):
-            part = [d[i] for i in index]
-            torch._foreach_div_(part, math.sqrt(correction))
-            torch._foreach_add_(part, eps)
-        return d
+    def _root_scale(self, group: dict) -> float:
+        """``sqrt(v̂) = sqrt(v)·this`` for the frozen variance."""
+        return 1 / math.sqrt(self.frozen_variance_correction(group))
 
     # ---------------------------------------------------------------- step
     #: A step whose gradients are not all finite leaves every state tensor as it was (see

@@ -156,6 +156,9 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             ``lr·‖p‖`` per step (``benchmarks/robustness.py``, 240 steps); LAMB's ratio keeps the
             step at ``lr·‖p‖``, and ``f`` (which corrects the frozen variance's scale, a factor
             the ratio cancels) is not needed. Default ``True`` (``defaults="paper"``: ``False``).
+        precondition_exchange: after the freeze, exchange the scaled momentum divided by
+            ``sqrt(v̂)+eps`` and multiply the average back, as 1-bit Adam's option of the same name
+            (:meth:`~hf_onebit.optim.masks.ZeroGradientMasks.to_step_units_`). Default ``False``.
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
             that is left out takes its measured value; ``"paper"``: the spec's value instead.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
@@ -185,6 +188,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         warmup_bits: int | None = LIBRARY_DEFAULT,
         bias_correction: bool = LIBRARY_DEFAULT,
         fresh_trust_ratio: bool = LIBRARY_DEFAULT,
+        precondition_exchange: bool = False,
         defaults: str = "library",
         total_steps: int | None = None,
     ) -> None:
@@ -202,6 +206,8 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         self.bias_correction = bias_correction
         check_bool(fresh_trust_ratio, "fresh_trust_ratio")
         self.fresh_trust_ratio = fresh_trust_ratio
+        check_bool(precondition_exchange, "precondition_exchange")
+        self.precondition_exchange = precondition_exchange
         group_defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, Sequence) else betas, eps=eps,
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
@@ -262,6 +268,11 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         t = self.steps_done + 1
         return 1 / (1 - beta1**t), 1 / math.sqrt(1 - beta2 ** max(1, min(t, self.freeze_step))), 1 / math.sqrt(1 - beta2**t)
 
+    def _root_scale(self, group: dict) -> float:
+        """``sqrt(v̂) = sqrt(v)·this`` for the frozen variance in the compression phase."""
+        bc = self._corrections(group)
+        return 1.0 if bc is None else bc[1]
+
     # ---------------------------------------------------------------- the hook side
     def _scaling(self, p: torch.Tensor) -> torch.Tensor | None:
         state = self.state.get(p)
@@ -284,10 +295,14 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             scaled = [(o, st["scaling"]) for o, st in zip(sub, states) if st and "scaling" in st]
             if scaled:
                 torch._foreach_mul_([o for o, _ in scaled], [s for _, s in scaled])
+            if self.precondition_exchange:
+                self.to_step_units_([params[i] for i in index], sub, self._root_scale)
 
     def finish_bucket(self, plan, params, results, grads, scale) -> None:
         """Compression phase: ``.grad = M_p / scaling_p`` (times the loss scale, if any)."""
         if plan is Plan.COMPRESS_MOMENTUM:
+            if self.precondition_exchange:
+                self.from_step_units_(params, results, self._root_scale)
             scaled = [(r, st["scaling"]) for r, st in zip(results, map(self.state.get, params)) if st and "scaling" in st]
             if scaled:  # results: this segment's work views or the bucket itself, free to overwrite
                 torch._foreach_div_([r for r, _ in scaled], [s for _, s in scaled])

@@ -49,8 +49,11 @@ class OneBitLambSimulation:
                  freeze_step=100000, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
                  factor_min=0.5, factor_threshold=0.1, auto_mask=True, use_scaling=True,
                  scale_per_tensor=False, update_clip=None, nodes=None, groups=None, warmup_bits=None,
-                 warmup_layouts=None, bias_correction=False, fresh_trust_ratio=False):
+                 warmup_layouts=None, bias_correction=False, fresh_trust_ratio=False, precondition_exchange=False):
         self.clip = update_clip
+        # hf_onebit's option: after the freeze the ranks send x/(sqrt(v̂)+eps) (0 where masked), x
+        # the scaled momentum, and the mean times sqrt(v̂)+eps is the scaled momentum
+        self.precondition = precondition_exchange
         # hf_onebit's option: after the freeze, LAMB's own ratio clip(‖p‖/‖u‖) of the exchanged update
         self.fresh_trust_ratio = fresh_trust_ratio
         # hf_onebit's option: LAMB on Adam's bias-corrected moments m̂ = m/(1−β1^t), v̂ = v/(1−β2^t)
@@ -134,11 +137,19 @@ class OneBitLambSimulation:
                 # auto_mask: never non-zero, or sqrt(v) below eps/100 (no bias correction in LAMB)
                 self.mask = [keep_mask(s, v, self.eps).astype(np.float32) for s, v in zip(self.seen, self.v)]
         m_prev = [x.copy() for x in self.m]
+        v_frozen = 1 - b2 ** self.F if self.bias_correction else 1.0
         for seg in self.segments:
             local = [np.concatenate([((b1 * self.m[k] + (1 - b1) * grads[r][k]) * self.scaling[k]).ravel()
                                      for k in seg]).astype(np.float32) for r in range(self.n)]
+            if self.precondition:
+                d = np.concatenate([(np.sqrt(self.v[k] / np.float32(v_frozen)) + np.float32(eps)).ravel() for k in seg])
+                keep = np.concatenate([self.mask[k].ravel() if self.mask is not None else np.ones(self.p[k].size)
+                                       for k in seg])
+                local = [x / d * keep for x in local]
             avg = local[0] if self.n == 1 else self.comm[tuple(seg)].step(local)
             avg = avg[0] if isinstance(avg, tuple) else avg  # SpecSimulation also returns the packed signs
+            if self.precondition:
+                avg = avg * d
             off = 0
             for k in seg:
                 size = self.p[k].size
@@ -359,6 +370,18 @@ def test_fresh_trust_ratio_matches_its_simulation_and_keeps_lambs_step_size():
     # the last (compressed) step of each tensor: ‖Δp‖/(lr·‖p‖) is 1 unless the ratio was clipped
     rel = [np.linalg.norm(a - b) / (kwargs["lr"] * np.linalg.norm(b)) for a, b in zip(expected[-1], expected[-2])]
     assert sum(r == pytest.approx(1.0, rel=1e-3) for r in rel) >= len(rel) / 2, rel
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_the_preconditioned_exchange_matches_its_simulation(fresh):
+    """precondition_exchange=True at the library's settings (and with the frozen ratio): the
+    ranks exchange the scaled momentum over sqrt(v̂)+eps, which the simulation models."""
+    kwargs = dict(CONFIGS[0][1], scale_per_tensor=True, update_clip=0.5, bias_correction=True,
+                  fresh_trust_ratio=fresh, precondition_exchange=True)
+    steps = CONFIGS[0][2]
+    segments, _, expected = _two_ranks_match_the_simulation(kwargs, steps)
+    _, plain = _simulate(2, segments, dict(kwargs, precondition_exchange=False), steps)
+    assert any(not np.allclose(a, b, rtol=1e-4) for a, b in zip(plain[-1], expected[-1]))
 
 
 def test_update_clip_is_validated():
