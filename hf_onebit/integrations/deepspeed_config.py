@@ -242,7 +242,10 @@ def _optimizer_params(conv: Conversion, params: dict) -> None:
               " scale_block=None (one compression scale per rank's chunk of a DDP bucket; the library's keep one"
               " per block of 256 elements of each tensor)"
               + (", var_update_scaler=16 and clip_synced_momentum=True (the library's None and False)"
-                 if name == "ZeroOneAdam" else "") + ".")
+                 if name == "ZeroOneAdam" else "")
+              + (", precondition_exchange=False (the 1-bit exchange carries the momentum; the library's True"
+                 " divides it by sqrt(v)+eps first and multiplies the average back)" if name != "OneBitLamb" else "")
+              + ".")
     conv.note("granularity",
               "compression granularity: hf_onebit compresses DDP buckets (about 25 MB each) during backward, where"
               " DeepSpeed compressed " + ("the whole model's momentum as one buffer" if name == "OneBitLamb" else

@@ -11,50 +11,57 @@ clipping) are in :mod:`hf_onebit.integrations.defaults`, applied by every HF ent
 
 What each library default does, and why it differs from the paper (figures: ``docs/results.md``):
 
-=======================  =====================================================================
-argument                 library default
-=======================  =====================================================================
-``freeze_step``          ``"auto"``: the warmup ends when the variance has settled, within
-(0/1 Adam:               bounds fitted to the run's length (:mod:`hf_onebit.optim.freeze`). The
-``var_freeze_step``)     paper's ``100000`` is longer than most runs: they never compress.
-``scale_per_tensor``     ``True``: one compression scale per parameter tensor, so a
-                         tiny-gradient tensor is not rebuilt at its bucket's scale (a 100-layer
-                         stack diverges at the first 1-bit step without it).
-``scale_block``          ``256``: each tensor's pieces are cut into blocks of 256 elements, one
-                         scale each, as block-wise quantizers do. Under one scale per tensor
-                         the coordinates with small gradients (most of an embedding matrix)
-                         round to zero for several steps and then arrive in bursts, which
-                         inflate Adam's variance and slow them by about the square root of the
-                         burst length: fine-tuning stalled in a run of a few dozen steps.
-                         Costs 4 bytes of scale per 256 elements.
-``update_clip``          ``1.0``: no coordinate's adaptive step exceeds ``lr`` where the variance
-                         is stale (after the freeze), so an early freeze cannot blow up a step.
-``warmup_bits``          ``8``: the warmup (0/1 Adam: its variance steps) exchanges the gradient
-                         at 8 bits with error feedback (``docs/algorithms.md``, "Exchanges")
-                         instead of 32, so the warmup, which the automatic freeze keeps long,
-                         sends 4x fewer bytes. Where 0/1 Adam has 1-bit gradient steps between
-                         its variance steps (a ``var_update_scaler``), the variance steps keep
-                         error buffers apart from theirs: a shared pair would hand the 8-bit
-                         gradient the variance is built from the 1-bit steps' far larger
-                         residual (:mod:`hf_onebit.comm.compressed`).
-``bias_correction``      ``True`` (1-bit LAMB): LAMB on Adam's bias-corrected moments, as
-                         uncompressed LAMB implementations run it; the trust-ratio average
-                         starts at the first ratio. The paper's uncorrected moments leave a
-                         short run's frozen variance far below its settled value, so the update
-                         clip cuts most coordinates and the factor falls to ``factor_min``.
-``momentum_correction``  ``True`` (0/1 Adam): the variance phase divides the momentum by
-                         ``1 − β1^t`` as Adam does. Uncorrected, the first steps are up to 10x
-                         smaller and a run starts about ``1/(1 − β1)`` steps behind: the loss of
-                         a run of a few dozen steps.
-``clip_synced_momentum`` ``False`` (0/1 Adam): with ``update_clip`` the momentum its syncs
-                         restore is not clipped a second time.
-``var_update_scaler``    ``None`` (0/1 Adam): every step of the variance phase is a variance
-                         step (8 bits), none a 1-bit gradient step. The paper's 16 puts 1-bit
-                         gradient steps from step 17 on, a 1-bit gradient in the momentum
-                         while the variance is still being estimated, which pre-training from
-                         scratch does not survive (``docs/results.md``, "Pre-training from
-                         scratch").
-=======================  =====================================================================
+==========================  =====================================================================
+argument                    library default
+==========================  =====================================================================
+``freeze_step``             ``"auto"``: the warmup ends when the variance has settled, within
+(0/1 Adam:                  bounds fitted to the run's length (:mod:`hf_onebit.optim.freeze`). The
+``var_freeze_step``)        paper's ``100000`` is longer than most runs: they never compress.
+``scale_per_tensor``        ``True``: one compression scale per parameter tensor, so a
+                            tiny-gradient tensor is not rebuilt at its bucket's scale (a 100-layer
+                            stack diverges at the first 1-bit step without it).
+``scale_block``             ``256``: each tensor's pieces are cut into blocks of 256 elements, one
+                            scale each, as block-wise quantizers do. Under one scale per tensor
+                            the coordinates with small gradients (most of an embedding matrix)
+                            round to zero for several steps and then arrive in bursts, which
+                            inflate Adam's variance and slow them by about the square root of the
+                            burst length: fine-tuning stalled in a run of a few dozen steps.
+                            Costs 4 bytes of scale per 256 elements.
+``update_clip``             ``1.0``: no coordinate's adaptive step exceeds ``lr`` where the variance
+                            is stale (after the freeze), so an early freeze cannot blow up a step.
+``warmup_bits``             ``8``: the warmup (0/1 Adam: its variance steps) exchanges the gradient
+                            at 8 bits with error feedback (``docs/algorithms.md``, "Exchanges")
+                            instead of 32, so the warmup, which the automatic freeze keeps long,
+                            sends 4x fewer bytes. Where 0/1 Adam has 1-bit gradient steps between
+                            its variance steps (a ``var_update_scaler``), the variance steps keep
+                            error buffers apart from theirs: a shared pair would hand the 8-bit
+                            gradient the variance is built from the 1-bit steps' far larger
+                            residual (:mod:`hf_onebit.comm.compressed`).
+``bias_correction``         ``True`` (1-bit LAMB): LAMB on Adam's bias-corrected moments, as
+                            uncompressed LAMB implementations run it; the trust-ratio average
+                            starts at the first ratio. The paper's uncorrected moments leave a
+                            short run's frozen variance far below its settled value, so the update
+                            clip cuts most coordinates and the factor falls to ``factor_min``.
+``momentum_correction``     ``True`` (0/1 Adam): the variance phase divides the momentum by
+                            ``1 − β1^t`` as Adam does. Uncorrected, the first steps are up to 10x
+                            smaller and a run starts about ``1/(1 − β1)`` steps behind: the loss of
+                            a run of a few dozen steps.
+``clip_synced_momentum``    ``False`` (0/1 Adam): with ``update_clip`` the momentum its syncs
+                            restore is not clipped a second time.
+``precondition_exchange``   ``True`` (1-bit Adam, 0/1 Adam): after the freeze the exchange carries
+                            the momentum (0/1 Adam: the accumulated update) in the units of the
+                            step, divided by ``sqrt(v̂)+eps``, and multiplies the average back. One
+                            1-bit scale per block then moves each of its coordinates by about the
+                            same amount, where the paper's momentum units move a coordinate by
+                            ``scale/(sqrt(v̂)+eps)``, largest where ``v̂`` is small: short
+                            fine-tuning runs lost 2-3 points to AdamW for it.
+``var_update_scaler``       ``None`` (0/1 Adam): every step of the variance phase is a variance
+                            step (8 bits), none a 1-bit gradient step. The paper's 16 puts 1-bit
+                            gradient steps from step 17 on, a 1-bit gradient in the momentum
+                            while the variance is still being estimated, which pre-training from
+                            scratch does not survive (``docs/results.md``, "Pre-training from
+                            scratch").
+==========================  =====================================================================
 """
 
 from __future__ import annotations
@@ -89,19 +96,19 @@ _PAPER_ADAM_LIKE = dict(scale_per_tensor=False, scale_block=None, update_clip=No
 
 #: the library's defaults, by optimizer class
 LIBRARY: dict[str, dict] = {
-    "OneBitAdam": dict(freeze_step="auto", **_ADAM_LIKE),
+    "OneBitAdam": dict(freeze_step="auto", precondition_exchange=True, **_ADAM_LIKE),
     "OneBitLamb": dict(freeze_step="auto", bias_correction=True, fresh_trust_ratio=True, **_ADAM_LIKE),
     "ZeroOneAdam": dict(var_freeze_step="auto", clip_synced_momentum=False, var_update_scaler=None,
-                        momentum_correction=True, **_ADAM_LIKE),
+                        momentum_correction=True, precondition_exchange=True, **_ADAM_LIKE),
     "BinSGDM": dict(stratified_votes=True),
 }
 
 #: the papers' values of the same arguments
 PAPER: dict[str, dict] = {
-    "OneBitAdam": dict(freeze_step=100000, **_PAPER_ADAM_LIKE),
+    "OneBitAdam": dict(freeze_step=100000, precondition_exchange=False, **_PAPER_ADAM_LIKE),
     "OneBitLamb": dict(freeze_step=100000, bias_correction=False, fresh_trust_ratio=False, **_PAPER_ADAM_LIKE),
     "ZeroOneAdam": dict(var_freeze_step=100000, clip_synced_momentum=True, var_update_scaler=16,
-                        momentum_correction=False, **_PAPER_ADAM_LIKE),
+                        momentum_correction=False, precondition_exchange=False, **_PAPER_ADAM_LIKE),
     "BinSGDM": dict(stratified_votes=False),
 }
 

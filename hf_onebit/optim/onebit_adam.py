@@ -114,8 +114,8 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             the units of the step: each coordinate of a scale block moves by about the same
             amount, where 1-bit momentum moves it by ``scale/d``, largest where ``v̂`` is small.
             Masked coordinates (``auto_mask``: ``v̂ ≈ 0``, which would send ~``g/eps``) send 0.
-            Two or three more list ops per bucket and call. Default ``False`` (an option under
-            measurement: ``docs/results.md``).
+            Two or three more list ops per bucket and call. Default ``True``
+            (``defaults="paper"``: ``False``).
         defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
             that is left out takes the library's value; ``"paper"``: the paper's value instead.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
@@ -138,14 +138,15 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         update_clip: float | None = LIBRARY_DEFAULT,
         hierarchical: bool | None = False,
         warmup_bits: int | None = LIBRARY_DEFAULT,
-        precondition_exchange: bool = False,
+        precondition_exchange: bool = LIBRARY_DEFAULT,
         defaults: str = "library",
         total_steps: int | None = None,
     ) -> None:
         # arguments left out take the library's defaults, or the papers' (optim/defaults.py)
-        freeze_step, scale_per_tensor, scale_block, update_clip, warmup_bits = resolve_defaults(
+        freeze_step, scale_per_tensor, scale_block, update_clip, warmup_bits, precondition_exchange = resolve_defaults(
             "OneBitAdam", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor,
             scale_block=scale_block, update_clip=update_clip, warmup_bits=warmup_bits,
+            precondition_exchange=precondition_exchange,
         ).values()
         self.update_clip = check_update_clip(update_clip)
         self.warmup_bits = check_warmup_bits(warmup_bits)

@@ -133,8 +133,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             in parameter units) instead of ``u ⊙ (sqrt(v)+eps)``, and multiply the average by
             ``sqrt(v)+eps`` afterwards. The frozen ``v`` is the same on every rank, so without
             compression both give the same mean; with it, the scales and the error feedback are
-            in the units of the step, as 1-bit Adam's option of the same name does. ``False``
-            (default): the paper's.
+            in the units of the step, as 1-bit Adam's option of the same name does. Default
+            ``True`` (``defaults="paper"``: ``False``, the paper's).
         warmup_bits: how the variance steps exchange the gradient: ``8`` (the default) or ``4``
             with the b-bit exchange (``docs/algorithms.md``, "Exchanges"), with error buffers of
             its own (4 bytes per parameter during the variance phase), apart from the 1-bit
@@ -235,7 +235,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         refresh_mask: bool = False,
         momentum_correction: bool = LIBRARY_DEFAULT,
         sync_in_momentum_units: bool = False,
-        precondition_exchange: bool = False,
+        precondition_exchange: bool = LIBRARY_DEFAULT,
         hierarchical: bool | None = False,
         warmup_bits: int | None = LIBRARY_DEFAULT,
         defaults: str = "library",
@@ -243,10 +243,11 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
     ) -> None:
         # arguments left out take the library's defaults, or the papers' (optim/defaults.py)
         (var_freeze_step, scale_per_tensor, scale_block, update_clip, clip_synced_momentum, warmup_bits,
-         var_update_scaler, momentum_correction) = resolve_defaults(
+         var_update_scaler, momentum_correction, precondition_exchange) = resolve_defaults(
             "ZeroOneAdam", defaults, var_freeze_step=var_freeze_step, scale_per_tensor=scale_per_tensor,
             scale_block=scale_block, update_clip=update_clip, clip_synced_momentum=clip_synced_momentum, warmup_bits=warmup_bits,
-            var_update_scaler=var_update_scaler, momentum_correction=momentum_correction).values()
+            var_update_scaler=var_update_scaler, momentum_correction=momentum_correction,
+            precondition_exchange=precondition_exchange).values()
         self.update_clip = check_update_clip(update_clip)
         self.warmup_bits = check_warmup_bits(warmup_bits)
         for name, switch in (("clip_synced_momentum", clip_synced_momentum), ("refresh_mask", refresh_mask),
