@@ -184,11 +184,12 @@ NO_CHECK = dict(check_finite=False)
 CASES = {
     "OneBitAdam": ("OneBitAdam", {**ADAM, **NO_CHECK}, 7, False, {1, 3, 4}),  # masks freeze in step 3
     "OneBitAdam-scaler": ("OneBitAdam", ADAM, 7, True, {1, 3, 4}),
-    "OneBitAdam-per-tensor-scaler": ("OneBitAdam", {**ADAM, "scale_per_tensor": True}, 7, True, {1, 3, 4}),
+    "OneBitAdam-per-tensor-scaler": ("OneBitAdam", {**ADAM, "scale_per_tensor": True, "precondition_exchange": True}, 7,
+                                     True, {1, 3, 4}),
     "OneBitLamb": ("OneBitLamb", {**LAMB, **NO_CHECK}, 7, False, {1, 3, 4}),  # masks freeze in step 3
     "OneBitLamb-scaler": ("OneBitLamb", LAMB, 7, True, {1, 3, 4}),
     "ZeroOneAdam": ("ZeroOneAdam", {**ZERO_ONE, **NO_CHECK}, 12, False, {1, 3, 5}),
-    "ZeroOneAdam-scaler": ("ZeroOneAdam", ZERO_ONE, 12, True, {1, 3, 5}),
+    "ZeroOneAdam-scaler": ("ZeroOneAdam", {**ZERO_ONE, "precondition_exchange": True}, 12, True, {1, 3, 5}),
     "BinSGDM": ("BinSGDM", dict(lr=1e-2, **NO_CHECK), 5, False, {1}),
     "BinSGDM-scaler": ("BinSGDM", dict(lr=1e-2), 5, True, {1}),
     # the default check_finite=True: the one deliberate sync per step
