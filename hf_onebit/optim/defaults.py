@@ -53,8 +53,8 @@ argument                    library default
                             step, divided by ``sqrt(v̂)+eps``, and multiplies the average back. One
                             1-bit scale per block then moves each of its coordinates by about the
                             same amount, where the paper's momentum units move a coordinate by
-                            ``scale/(sqrt(v̂)+eps)``, largest where ``v̂`` is small: short
-                            fine-tuning runs lost 2-3 points to AdamW for it.
+                            ``scale/(sqrt(v̂)+eps)``, largest where ``v̂`` is small, which cost
+                            short fine-tuning runs their accuracy (``docs/results.md``).
 ``var_update_scaler``       ``None`` (0/1 Adam): every step of the variance phase is a variance
                             step (8 bits), none a 1-bit gradient step. The paper's 16 puts 1-bit
                             gradient steps from step 17 on, a 1-bit gradient in the momentum
