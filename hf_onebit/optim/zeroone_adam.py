@@ -12,7 +12,8 @@ Two phases:
 * **local_steps** (``t > var_freeze_step``): ``v`` is frozen. Each rank runs Adam steps on its
   own gradient and accumulates its updates ``u = -Σ Δ`` and learning rates ``λ = Σ lr``. On a
   *sync step* (``t mod local_interval == 0``) the ranks average ``u ⊙ (sqrt(v)+eps)`` with the
-  1-bit compressed all-reduce, move every parameter to ``last synced point + ū/(sqrt(v)+eps)``
+  1-bit compressed all-reduce (by default hf_onebit compresses ``u`` itself and multiplies the
+  mean by ``sqrt(v)+eps``: ``precondition_exchange``), move every parameter to ``last synced point + ū/(sqrt(v)+eps)``
   and restart from the momentum ``-ū/λ``. After ``local_step_scaler`` local-phase steps the
   interval between syncs doubles, up to ``local_step_clipper``.
 
@@ -158,10 +159,10 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         variance     1-bit step: otherwise    COMPRESS_GRADIENT  gradient, 1 bit + error         hook, during backward
                      (only with a                                feedback, one buffer per
                      var_update_scaler)                          DDP bucket
-        local_steps  sync step:               SYNC_AFTER_STEP    u ⊙ (sqrt(v)+eps), 1 bit +      step(), after this step's
-                     t mod local_interval                        error feedback, the 1-bit       local update (it needs that
-                     == 0                                        steps' buffers (if none ran:    update: cannot overlap backward)
-                                                                 ≤ 25 MB, parameter order)
+        local_steps  sync step:               SYNC_AFTER_STEP    u (paper: u ⊙ (sqrt(v)+eps)),   step(), after this step's
+                     t mod local_interval                        1 bit + error feedback, the     local update (it needs that
+                     == 0                                        1-bit steps' buffers (if none   update: cannot overlap backward)
+                                                                 ran: ≤ 25 MB, parameter order)
         local_steps  local step: otherwise    LOCAL              nothing                         --
 
     Bytes sent per rank per parameter element (counted as :mod:`hf_onebit.comm.stats` does):
