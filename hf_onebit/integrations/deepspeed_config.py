@@ -205,6 +205,10 @@ def _optimizer_params(conv: Conversion, params: dict) -> None:
     given = params.get(key)
     value = defaults[key] if given is None else _number(given, f"optimizer.params.{key}", int)
     said = f"{key} {value}" if given is not None else f"{key} not given: DeepSpeed's default {value}"
+    if value - (name != "ZeroOneAdam") < 1:  # see the counter below
+        raise ConversionError(f"optimizer.params.{key} {value}: it leaves no warmup step, so Adam's variance would be"
+                              " frozen at 0 (every step m/eps); give DeepSpeed's warmup at least one update, or use"
+                              f" {key}=\"auto\" here")
     if name == "ZeroOneAdam":  # it ended the variance phase once that counter *exceeded* var_freeze_step
         kw[key] = value
         conv.note(key, f"{said} -> var_freeze_step={value}: DeepSpeed's first step() only allocated buffers, so its step"
@@ -214,7 +218,7 @@ def _optimizer_params(conv: Conversion, params: dict) -> None:
                        " argument changes that). The library default, var_freeze_step=\"auto\", freezes when the"
                        " variance has settled.")
     else:
-        kw[key] = shifted = max(value - 1, 0)
+        kw[key] = shifted = value - 1
         conv.note(key, f"{said} -> freeze_step={shifted}: DeepSpeed's first step() only allocated buffers, so its step"
                        f" counter runs one ahead and its freeze_step={value} ended the warmup after {shifted} updates,"
                        f" as freeze_step={shifted} does here. The library default, freeze_step=\"auto\", ends the"

@@ -103,9 +103,13 @@ class AutoFreeze:
         if isinstance(value, str):
             if value.strip().lower() == "auto":
                 return cls()
-            raise ValueError(f"{name} must be an integer >= 0 or 'auto', got {value!r}")
+            raise ValueError(f"{name} must be an integer >= 1 or 'auto', got {value!r}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0 or 'auto', got {value!r}")
+            raise ValueError(f"{name} must be an integer >= 1 or 'auto', got {value!r}")
+        if value == 0:  # v = 0 would be frozen: steps of m/eps, and auto_mask would mask everything
+            raise ValueError(
+                f"{name}=0: without a warmup step Adam's variance is never estimated, so it would be frozen"
+                f" at 0 (every step m/eps). Use {name}='auto', or about 15-25% of the run")
         return None
 
     @classmethod
@@ -286,7 +290,7 @@ class FreezeSchedule:
     _freeze_name: str = "freeze_step"
 
     def init_freeze(self, value, name: str, total_steps: int | None = None) -> None:
-        """``value``: an integer >= 0, ``"auto"`` or an :class:`AutoFreeze`; ``name`` its keyword;
+        """``value``: an integer >= 1, ``"auto"`` or an :class:`AutoFreeze`; ``name`` its keyword;
         ``total_steps``: the run's length, if known (see :meth:`fit_to_run`)."""
         self.auto_freeze = AutoFreeze.coerce(value, name)
         self._fixed_warmup_end = 0 if self.auto_freeze is not None else int(value)

@@ -94,7 +94,7 @@ class ZeroGradientMasks:
     def frozen_denominators(self, params: list[torch.Tensor], root_scale) -> list[torch.Tensor]:
         """``sqrt(v)·root_scale(group) + eps`` for each of ``params`` (new tensors): the step's
         denominators of the frozen variance (``root_scale``: its bias correction, or 1)."""
-        d = torch._foreach_sqrt([self._init_state(p)["exp_avg_sq"] for p in params])  # freeze_step=0: v = 0
+        d = torch._foreach_sqrt([self._init_state(p)["exp_avg_sq"] for p in params])
         for (scale, eps), index in self._by_group(params, lambda g: (root_scale(g), g["eps"])):
             part = [d[i] for i in index]
             if scale != 1.0:

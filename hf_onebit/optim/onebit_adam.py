@@ -190,7 +190,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                 torch._foreach_mul_(outs, inv_scale)
             grads = outs
         for beta1, index in self._by_group(params, lambda g: g["betas"][0]):
-            # _init_state: with freeze_step=0 compression starts before any step() created the state
+            # _init_state: a parameter without a gradient in the warmup has no state yet
             m = [self._init_state(params[i])["exp_avg"] for i in index]
             mixed = torch._foreach_lerp(m, [grads[i] for i in index], 1 - beta1)  # β1·m + (1-β1)·g in one pass
             if self.precondition_exchange:
@@ -217,8 +217,6 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         loss, t, plan = self.begin_step(closure)
         synced = self.check_synced(t) if plan is not Plan.ALLREDUCE else False  # b-bit warmups need the hook too
         compress = plan is Plan.COMPRESS_MOMENTUM
-        if compress and t == 1:  # freeze_step=0 (otherwise the masks are made at the end of the warmup)
-            self.freeze_masks()
         ok = self.finite_ok  # a device flag: mask this step's update with it (None: nothing to mask)
         for chunk in chunks(self, self._init_state, ok=ok):
             group = chunk.group

@@ -74,8 +74,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     tensor of the optimizer, and stored in the per-parameter state (identical on every rank, so
     they travel in ``state_dict()``). If ``mean/RMS(m_p)`` is not a finite positive number
     (``RMS(m_p) == 0``: a tensor whose averaged gradient was always zero; or non-finite
-    momenta) the tensor's scaling is 1. With ``freeze_step == 0`` every momentum is zero at the
-    first compressed step, so every scaling is 1.
+    momenta) the tensor's scaling is 1.
 
     **Phases** (``n`` ranks; bytes sent per parameter element and rank, scales not counted;
     all communication happens in the DDP hook while backward runs, none in ``step()``):

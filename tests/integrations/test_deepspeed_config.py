@@ -145,8 +145,10 @@ def test_freeze_step_notes_the_one_ahead_counter():
     conv = convert(config)
     assert conv.kwargs["freeze_step"] == 99999
     assert "not given: DeepSpeed's default 100000" in _notes(conv)["freeze_step"]
-    assert convert(_with_params(freeze_step=0)).kwargs["freeze_step"] == 0
-    assert convert(_with_params(freeze_step=1)).kwargs["freeze_step"] == 0
+    assert convert(_with_params(freeze_step=2)).kwargs["freeze_step"] == 1
+    for no_warmup in (0, 1):
+        with pytest.raises(ConversionError, match="leaves no warmup step"):
+            convert(_with_params(freeze_step=no_warmup))
     lamb = _notes(convert(_config("onebit_lamb_fp16")))
     assert "freeze_step 1000 -> freeze_step=999" in lamb["freeze_step"]
 

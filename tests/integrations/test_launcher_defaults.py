@@ -84,9 +84,9 @@ def test_a_json_arguments_file_counts_as_given(patched, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("optim_args, message", [
-    ("freeze_step=-1", r"freeze_step must be an integer >= 0"),
+    ("freeze_step=-1", r"freeze_step must be an integer >= 1"),
     ("freez_step=8", r"unknown key 'freez_step' for --optim onebit_adam.*valid keys: auto_mask, bias_correction"),
-    ("freeze_step=ten", r"freeze_step must be an integer >= 0 or 'auto', got 'ten'"),
+    ("freeze_step=ten", r"freeze_step must be an integer >= 1 or 'auto', got 'ten'"),
     ("lr=3", r"lr comes from the training arguments.*--learning_rate"),
 ])
 def test_optim_args_mistakes_fail_when_the_arguments_are_parsed(patched, monkeypatch, optim_args, message):
@@ -329,7 +329,7 @@ def test_stock_script_with_a_bad_optim_args_fails_before_the_model_is_built(tmp_
     res = run([*_console(), "run", str(script), "--output_dir", str(tmp_path / "out"), "--optim", "onebit_adam",
                "--optim_args", "freeze_step=-1"], env=base_env(cpu=False), cwd=tmp_path, timeout=120)
     assert res.returncode != 0
-    assert "freeze_step must be an integer >= 0" in res.output
+    assert "freeze_step must be an integer >= 1" in res.output
     assert "parse_args_into_dataclasses" in res.output and "BertForSequenceClassification(" not in res.output
     assert not (tmp_path / "out").exists()
 

@@ -79,7 +79,7 @@ def test_stock_names_still_work():
     (["--optim", "onebit_adamm"], r"'onebit_adamm' is not a known optimizer.*onebit_adam, zeroone_adam, onebit_lamb, binsgdm.*adamw_torch"),
     (["--optim", "onebit_adam", "--optim_args", "freez_step=3"],
      r"unknown key 'freez_step' for --optim onebit_adam.*valid keys: auto_mask, bias_correction, check_finite, defaults, freeze_step, hierarchical, precondition_exchange, scale_block, scale_per_tensor, total_steps, update_clip, warmup_bits"),
-    (["--optim", "onebit_adam", "--optim_args", "freeze_step=ten"], r"freeze_step must be an integer >= 0 or 'auto', got 'ten'"),
+    (["--optim", "onebit_adam", "--optim_args", "freeze_step=ten"], r"freeze_step must be an integer >= 1 or 'auto', got 'ten'"),
     (["--optim", "onebit_adam", "--optim_args", "auto_mask=maybe"], r"auto_mask='maybe' is not a boolean"),
     (["--optim", "onebit_adam", "--optim_args", "lr=3"], r"lr comes from the training arguments.*--learning_rate"),
     (["--optim", "binsgdm", "--optim_args", "beta=0.9"], r"beta comes from.*--adam_beta1"),
@@ -87,7 +87,7 @@ def test_stock_names_still_work():
     (["--optim", "zeroone_adam", "--freeze_step", "3"], r"--freeze_step does not apply to --optim zeroone_adam.*--var_freeze_step"),
     (["--optim", "adamw_torch", "--freeze_step", "3"], r"--freeze_step only apply to hf_onebit optimizers"),
     (["--optim", "onebit_adam", "--optim_args", "freeze_step"], r"'freeze_step' is not of the form key=value"),
-    (["--optim", "onebit_adam", "--freeze_step", "-1"], r"freeze_step must be an integer >= 0"),
+    (["--optim", "onebit_adam", "--freeze_step", "-1"], r"freeze_step must be an integer >= 1"),
 ])
 def test_bad_optimizer_arguments_fail_at_parse_time_listing_what_is_valid(argv, message):
     with pytest.raises(ValueError, match=message):

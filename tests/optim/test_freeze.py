@@ -117,9 +117,10 @@ def test_bounds():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(freeze_step="sometimes"), "freeze_step must be an integer >= 0 or 'auto'"),
-    (dict(freeze_step=-3), "freeze_step must be an integer >= 0 or 'auto'"),
-    (dict(freeze_step=2.5), "freeze_step must be an integer >= 0 or 'auto'"),
+    (dict(freeze_step="sometimes"), "freeze_step must be an integer >= 1 or 'auto'"),
+    (dict(freeze_step=-3), "freeze_step must be an integer >= 1 or 'auto'"),
+    (dict(freeze_step=2.5), "freeze_step must be an integer >= 1 or 'auto'"),
+    (dict(freeze_step=0), "freeze_step=0: without a warmup step Adam's variance is never estimated"),
 ])
 def test_construction_errors(bad, match):
     import hf_onebit

@@ -90,51 +90,6 @@ def test_channels_last_trains_bitwise_like_contiguous(case):
             assert all(torch.equal(x, y) for x, y in zip(plain[0]["history"][step], plain[1]["history"][step]))
 
 
-# ---------------------------------------------------------------- no warmup (freeze_step=0)
-ZERO_WARMUP = {
-    "OneBitAdam": dict(lr=1e-2, eps=1.0, freeze_step=0, bias_correction=False, auto_mask=False),
-    "OneBitLamb": dict(lr=1e-2, freeze_step=0),
-    "ZeroOneAdam": dict(lr=1e-2, var_freeze_step=0, local_step_scaler=2),
-}
-
-
-@pytest.mark.parametrize("name", list(ZERO_WARMUP))
-def test_zero_warmup_compresses_from_the_first_step(name):
-    """A zero warmup used to raise KeyError('exp_avg') in the first backward."""
-    from functools import partial
-
-    from tests.optim.harness import train
-
-    steps = 5
-    outs = run_distributed(partial(train, record_steps=True), 2, name, ZERO_WARMUP[name], steps)
-    assert outs[0]["steps"][0]["plan"] != "allreduce"
-    for step in range(steps):
-        if outs[0]["steps"][step]["plan"] != "local":
-            assert all(torch.equal(a, b) for a, b in zip(outs[0]["history"][step], outs[1]["history"][step]))
-    if name == "OneBitAdam":  # against the spec simulation with F = 0
-        import numpy as np
-
-        from tests.optim.harness import FixedGradModel, fixed_grads
-        from tests.simulation import OneBitAdamSimulation
-
-        torch.manual_seed(0)
-        init = [p.detach().numpy() for p in FixedGradModel().parameters()]
-        # Step 1 runs in DDP's one-bucket first iteration (one segment of every parameter); the
-        # rebuilt buckets then become new segments with fresh error buffers.
-        everything = [list(range(len(init)))]
-        sim = OneBitAdamSimulation(init, 2, everything, lr=1e-2, eps=1.0,
-                                   freeze_step=0, bias_correction=False, auto_mask=False)
-        later = OneBitAdamSimulation(init, 2, [list(s) for s in outs[0]["segments"]], freeze_step=0)
-        for step in range(1, steps + 1):
-            if step == 2:
-                sim.segments, sim.comm = later.segments, later.comm
-            expected = sim.step([[g.numpy() for g in fixed_grads(step, r)] for r in range(2)])
-            for got, want in zip(outs[0]["history"][step - 1], expected):
-                np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    else:
-        assert outs[0]["stats"]["compression_ratio"] > 1
-
-
 # ---------------------------------------------------------------- the property test over layouts
 # One 2-rank run per optimizer trains, with gradients fixed by the test (loss Σ (p·c).sum()):
 #
