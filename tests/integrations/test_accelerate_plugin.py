@@ -92,3 +92,8 @@ def test_onebit_accelerator_attaches_in_prepare():
         prepared_opt.zero_grad()
     assert opt.steps_done == 3
     assert accelerator.onebit[0].log_entries()["onebit/phase"] == 1  # compression
+    from hf_onebit.comm.stats import TIMER
+
+    assert TIMER.enabled  # the log times the communication ...
+    accelerator.onebit[0].remove()
+    assert not TIMER.enabled  # ... until remove(): the process-wide timer is not left running
