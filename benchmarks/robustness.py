@@ -21,7 +21,7 @@ The grid: ``--lr-mults`` x the task's advised lr (one per method family, :data:`
 fixed, so each rank's batch is ``--global-batch / n``), ``--freezes`` (``auto``, the library's
 automatic freeze fitted to the run, or a fraction of the run) and ``--seeds``.
 
-Tasks (real data, installed by pip; nothing from a hub):
+Tasks (real data installed by pip, nothing from a hub, but for the synthetic ``teacher``):
 
 * ``bow``: a classifier of Rotten Tomatoes snippets (``--dataset tweets``: 3-class tweets), the
   GLUE recipe's split; hashed unigram and bigram features (2^11 buckets) into a 2-layer MLP
@@ -30,6 +30,8 @@ Tasks (real data, installed by pip; nothing from a hub):
   frozen, as in benchmarks/convergence.py), max length 48. Accuracy on ``--eval-size`` dev snippets.
 * ``lm``: a Llama-style causal LM (2 layers, hidden 64) from scratch on the BBC news corpus
   (benchmarks/pretrain.py's data and tokenizer, 64-token blocks). Held-out loss.
+* ``teacher``: the README's DDP loop with a second hidden layer (32-256-256-4), noisy labels of a
+  random linear teacher, global batch 256. Accuracy on 4,000 clean held-out points (synthetic).
 
 The gap of a cell is the baseline's accuracy minus the method's (points; positive = the method
 is worse), or the method's held-out loss above the baseline's in percent. ``--report`` prints
@@ -67,6 +69,7 @@ TASKS = {
     "bow": dict(lr=dict(adam=5e-3, lamb=2e-2, binsgdm=1e-2), global_batch=64, metric="accuracy"),
     "minilm": dict(lr=dict(adam=1e-4, lamb=1e-3, binsgdm=2e-4), global_batch=16, metric="accuracy"),
     "lm": dict(lr=dict(adam=3e-3, lamb=3e-2, binsgdm=6e-3), global_batch=16, metric="loss"),
+    "teacher": dict(lr=dict(adam=1e-3, lamb=1e-3, binsgdm=2e-3), global_batch=256, metric="accuracy"),
 }
 
 
@@ -208,7 +211,34 @@ class LMTask:
         return total / count
 
 
-TASK_CLASSES = {"bow": BowTask, "minilm": MiniLMTask, "lm": LMTask}
+class TeacherTask(BowTask):
+    """The README's DDP loop grown by a layer: a 32-256-256-4 MLP learns a random linear teacher's
+    class from noisy labels; accuracy on 4,000 clean held-out points (``--dataset`` is not read)."""
+
+    def __init__(self, dataset: str, eval_size: int):
+        import torch
+
+        self.teacher = torch.randn(32, 4, generator=torch.Generator().manual_seed(7))
+        x = torch.randn(4000, 32, generator=torch.Generator().manual_seed(12345))
+        self.held = x, (x @ self.teacher).argmax(-1)
+
+    def model(self, seed: int):
+        import torch
+
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                   torch.nn.GELU(), torch.nn.Linear(256, 4))
+
+    def batches(self, steps, batch, rank, world, seed):
+        import torch
+
+        g = torch.Generator().manual_seed(7919 * seed + rank)
+        for _ in range(steps):
+            x = torch.randn(batch, 32, generator=g)
+            yield x, (x @ self.teacher + 0.5 * torch.randn(batch, 4, generator=g)).argmax(-1)
+
+
+TASK_CLASSES = {"bow": BowTask, "minilm": MiniLMTask, "lm": LMTask, "teacher": TeacherTask}
 
 
 # ====================================================================== one cell

@@ -97,7 +97,7 @@ _PAPER_ADAM_LIKE = dict(scale_per_tensor=False, scale_block=None, update_clip=No
 #: the library's defaults, by optimizer class
 LIBRARY: dict[str, dict] = {
     "OneBitAdam": dict(freeze_step="auto", precondition_exchange=True, **_ADAM_LIKE),
-    "OneBitLamb": dict(freeze_step="auto", bias_correction=True, fresh_trust_ratio=True, **_ADAM_LIKE),
+    "OneBitLamb": dict(freeze_step="auto", bias_correction=True, **_ADAM_LIKE),
     "ZeroOneAdam": dict(var_freeze_step="auto", clip_synced_momentum=False, var_update_scaler=None,
                         momentum_correction=True, precondition_exchange=True, **_ADAM_LIKE),
     "BinSGDM": dict(stratified_votes=True),
@@ -106,7 +106,7 @@ LIBRARY: dict[str, dict] = {
 #: the papers' values of the same arguments
 PAPER: dict[str, dict] = {
     "OneBitAdam": dict(freeze_step=100000, precondition_exchange=False, **_PAPER_ADAM_LIKE),
-    "OneBitLamb": dict(freeze_step=100000, bias_correction=False, fresh_trust_ratio=False, **_PAPER_ADAM_LIKE),
+    "OneBitLamb": dict(freeze_step=100000, bias_correction=False, **_PAPER_ADAM_LIKE),
     "ZeroOneAdam": dict(var_freeze_step=100000, clip_synced_momentum=True, var_update_scaler=16,
                         momentum_correction=False, precondition_exchange=False, **_PAPER_ADAM_LIKE),
     "BinSGDM": dict(stratified_votes=False),

@@ -98,7 +98,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     Adam, ``clip_grad_norm_`` in the compression phase clips the momentum, not a gradient.
 
     All state is per parameter and fp32: ``exp_avg`` (m), ``exp_avg_sq`` (v, frozen after F),
-    ``exp_avg_sq_fresh`` (v_fresh, only without ``fresh_trust_ratio``), ``coeff_frozen`` (c_frozen), ``last_factor`` (f_last),
+    ``exp_avg_sq_fresh`` (v_fresh; none with ``fresh_trust_ratio``), ``coeff_frozen`` (c_frozen), ``last_factor`` (f_last),
     ``scaling``, and the compression mask. Error-feedback buffers are per rank
     (:meth:`rank_state_dict`).
 
@@ -147,14 +147,17 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             (``defaults="paper"``: ``False``, the spec's uncorrected arithmetic).
         fresh_trust_ratio: after the freeze, step with LAMB's own trust ratio of the exchanged
             update, ``clip(‖p‖/‖u‖, min_coeff, max_coeff)``, instead of the frozen average times
-            the factor ``f``. Every rank holds the same exchanged momentum, so the ratio is the
-            same everywhere and costs no communication (on FSDP2 shards, the norms' sum over the
-            replica, as in the warmup). Why: the 1-bit momentum gives every coordinate the
-            magnitude of its piece's scale, so ``‖m/sqrt(v)‖`` is several times LAMB's and a
-            ratio calibrated on the warmup's ``u`` lets every tensor move several times
-            ``lr·‖p‖`` per step (``benchmarks/robustness.py``, 240 steps); LAMB's ratio keeps the
-            step at ``lr·‖p‖``, and ``f`` (which corrects the frozen variance's scale, a factor
-            the ratio cancels) is not needed. Default ``True`` (``defaults="paper"``: ``False``).
+            the factor ``f`` (the spec's). Every rank holds the same exchanged momentum, so the
+            ratio is the same everywhere and costs no communication (on FSDP2 shards, the norms'
+            sum over the replica, as in the warmup). The 1-bit momentum is the true one plus
+            compression noise that error feedback cancels over the following steps, so the
+            exchanged ``‖u‖`` is ``k`` times LAMB's (``k`` ≈ 2-4 measured, growing as a
+            fine-tuning run's true momentum shrinks). The frozen ratio is linear in the exchanged
+            update: the noise cancels and the run moves as LAMB's, with single steps ``k`` times
+            longer. LAMB's own ratio normalizes every step to ``lr·‖p‖``, so it also divides the
+            progress by ``k``: it trains as LAMB at ``lr/k``, which fine-tuning at LAMB's usual
+            lr can like and runs that need their lr lose (``docs/results.md``). Default
+            ``False``.
         precondition_exchange: after the freeze, exchange the scaled momentum divided by
             ``sqrt(v̂)+eps`` and multiply the average back, as 1-bit Adam's option of the same name
             (:meth:`~hf_onebit.optim.masks.ZeroGradientMasks.to_step_units_`). Default ``False``.
@@ -186,17 +189,16 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         hierarchical: bool | None = False,
         warmup_bits: int | None = LIBRARY_DEFAULT,
         bias_correction: bool = LIBRARY_DEFAULT,
-        fresh_trust_ratio: bool = LIBRARY_DEFAULT,
+        fresh_trust_ratio: bool = False,
         precondition_exchange: bool = False,
         defaults: str = "library",
         total_steps: int | None = None,
     ) -> None:
         # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
-        (freeze_step, scale_per_tensor, scale_block, update_clip, warmup_bits, bias_correction,
-         fresh_trust_ratio) = resolve_defaults(
+        freeze_step, scale_per_tensor, scale_block, update_clip, warmup_bits, bias_correction = resolve_defaults(
             "OneBitLamb", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor,
             scale_block=scale_block, update_clip=update_clip, warmup_bits=warmup_bits,
-            bias_correction=bias_correction, fresh_trust_ratio=fresh_trust_ratio,
+            bias_correction=bias_correction,
         ).values()
         self.init_freeze(freeze_step, "freeze_step", total_steps)
         self.update_clip = check_update_clip(update_clip)

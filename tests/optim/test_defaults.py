@@ -28,7 +28,7 @@ def _resolved(opt, freeze_name):
                warmup_bits=opt.warmup_bits,
                **{freeze_name: "auto" if auto is not None else getattr(opt, freeze_name)})
     for own in ("clip_synced_momentum", "var_update_scaler", "bias_correction", "momentum_correction",
-                "fresh_trust_ratio", "precondition_exchange"):  # 0/1 Adam's; 1-bit LAMB's; both Adams
+                "precondition_exchange"):  # 0/1 Adam's; 1-bit LAMB's; both Adams
         if own in presets.LIBRARY[type(opt).__name__]:
             out[own] = getattr(opt, own)
     return out

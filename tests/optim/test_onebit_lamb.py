@@ -360,7 +360,7 @@ def test_bias_correction_matches_its_simulation_with_the_update_clip():
 
 
 def test_fresh_trust_ratio_matches_its_simulation_and_keeps_lambs_step_size():
-    """fresh_trust_ratio=True (the library default): after the freeze each tensor steps by LAMB's
+    """fresh_trust_ratio=True: after the freeze each tensor steps by LAMB's
     own ratio of the exchanged update, so ‖Δp‖ = lr·clip(‖p‖/‖u‖)·‖u‖, lr·‖p‖ where unclipped."""
     kwargs = dict(CONFIGS[0][1], scale_per_tensor=True, update_clip=0.5, bias_correction=True, fresh_trust_ratio=True)
     steps = CONFIGS[0][2]
@@ -438,7 +438,7 @@ def _run_local(kwargs, steps, dtype=torch.float32):
     return opt, model, history
 
 
-@pytest.mark.parametrize("freeze_step", [0, 4])
+@pytest.mark.parametrize("freeze_step", [1, 4])
 def test_one_process_matches_simulation_without_compression(freeze_step):
     kwargs = dict(lr=1e-2, betas=(0.9, 0.9), weight_decay=0.01, freeze_step=freeze_step, factor_threshold=0.05)
     opt, _, history = _run_local(kwargs, 10)
@@ -447,9 +447,6 @@ def test_one_process_matches_simulation_without_compression(freeze_step):
         for got, want in zip(history[step], expected[step]):
             _assert_close(got.numpy(), want)
     assert opt.phase() == "compression"
-    if freeze_step == 0:  # compression from the first step: every momentum was zero, scaling 1
-        assert all(float(opt.state[p]["scaling"]) == 1.0 for p in opt.params_in_order())
-        assert all(float(opt.state[p]["coeff_frozen"]) == 0.0 for p in opt.params_in_order())
 
 
 def test_clipped_trust_ratio_of_exactly_one_is_not_averaged():
@@ -480,7 +477,7 @@ def test_state_is_fp32_and_survives_state_dict_for_bf16_parameters():
 
 
 def test_the_fresh_variance_exists_only_where_the_frozen_ratio_reads_it():
-    """With ``fresh_trust_ratio`` (the library default) no ``v_fresh`` is kept (a model's worth of
+    """With ``fresh_trust_ratio`` no ``v_fresh`` is kept (a model's worth of
     fp32); a checkpoint saved so resumes with the frozen ratio from ``v_fresh = v``, as at the freeze."""
     from hf_onebit.optim.onebit_lamb import OneBitLamb
 
