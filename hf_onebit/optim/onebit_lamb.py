@@ -155,9 +155,9 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             fine-tuning run's true momentum shrinks). The frozen ratio is linear in the exchanged
             update: the noise cancels and the run moves as LAMB's, with single steps ``k`` times
             longer. LAMB's own ratio normalizes every step to ``lr·‖p‖``, so it also divides the
-            progress by ``k``: it trains as LAMB at ``lr/k``, which fine-tuning at LAMB's usual
-            lr can like and runs that need their lr lose (``docs/results.md``). Default
-            ``False``.
+            progress by ``k``: it trains as LAMB at ``lr/k``, ahead where LAMB's lr is too large
+            for a fine-tuning run, behind wherever the run needs its lr (``docs/results.md``).
+            Default ``False``.
         precondition_exchange: after the freeze, exchange the scaled momentum divided by
             ``sqrt(v̂)+eps`` and multiply the average back, as 1-bit Adam's option of the same name
             (:meth:`~hf_onebit.optim.masks.ZeroGradientMasks.to_step_units_`). Default ``False``.
