@@ -213,7 +213,8 @@ class LMTask:
 
 class TeacherTask(BowTask):
     """The README's DDP loop grown by a layer: a 32-256-256-4 MLP learns a random linear teacher's
-    class from noisy labels; accuracy on 4,000 clean held-out points (``--dataset`` is not read)."""
+    class from noisy labels; accuracy on 4,000 clean held-out points (``--dataset`` is not read).
+    The loss and the evaluation are the bag-of-words task's: a batch and ``held`` are ``(x, y)``."""
 
     def __init__(self, dataset: str, eval_size: int):
         import torch
