@@ -361,13 +361,16 @@ def test_the_robustness_table_reprints_the_stored_grid():
     """results.md's worst cells against each method's own baseline are ``robustness.py --report`` of
     the stored runs, and the which-optimizer table's last column is the grid's worst cell."""
     files = ["bow_2ranks", "bow_2ranks_3seeds", "bow_2ranks_3seeds_precondition", "bow_2ranks_lamb_3seeds",
-             "bow_2ranks_lamb_frozen_ratio", "bow_8ranks", "bow_8ranks_3seeds", "bow_8ranks_3seeds_precondition",
-             "bow_8ranks_lamb_3seeds", "bow_8ranks_lamb_frozen_ratio", "teacher_3seeds", "teacher_lamb_3seeds",
-             "minilm_60", "minilm_60_precondition", "minilm_60_seeds345", "minilm_lamb_240",
+             "bow_2ranks_lamb_frozen_ratio", "bow_2ranks_zeroone_local_correction", "bow_8ranks",
+             "bow_8ranks_3seeds", "bow_8ranks_3seeds_precondition", "bow_8ranks_lamb_3seeds",
+             "bow_8ranks_lamb_frozen_ratio", "bow_8ranks_zeroone_local_correction", "teacher_3seeds",
+             "teacher_lamb_3seeds", "teacher_zeroone_local_correction", "minilm_60", "minilm_60_precondition",
+             "minilm_60_seeds345", "minilm_60_zeroone_local_correction", "minilm_lamb_240",
              "minilm_lamb_240_seeds34", "minilm_lamb_240_frozen_ratio", "minilm_lamb_240_seeds34_frozen_ratio",
-             "minilm_60_tweets", "minilm_60_tweets_precondition", "minilm_lamb_240_tweets",
-             "minilm_lamb_240_tweets_frozen_ratio", "lm_2ranks", "lm_binsgdm_lr", "lm_240_blocks",
-             "lm_240_precondition", "lm_240_lamb_frozen_ratio", "lm_60_1000"]
+             "minilm_60_tweets", "minilm_60_tweets_precondition", "minilm_60_tweets_zeroone_local_correction",
+             "minilm_lamb_240_tweets", "minilm_lamb_240_tweets_frozen_ratio", "lm_2ranks", "lm_binsgdm_lr",
+             "lm_240_blocks", "lm_240_precondition", "lm_240_lamb_frozen_ratio", "lm_60_1000",
+             "lm_240_zeroone_local_correction", "lm_60_1000_zeroone_local_correction"]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "robustness.py"), "--report",
                            *[str(REPO / "docs" / "img" / "robustness" / f"{f}.json") for f in files]],
                           capture_output=True, text=True, timeout=120)

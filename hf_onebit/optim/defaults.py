@@ -42,10 +42,10 @@ argument                    library default
                             starts at the first ratio. The paper's uncorrected moments leave a
                             short run's frozen variance far below its settled value, so the update
                             clip cuts most coordinates and the factor falls to ``factor_min``.
-``momentum_correction``     ``True`` (0/1 Adam): the variance phase divides the momentum by
-                            ``1 − β1^t`` as Adam does. Uncorrected, the first steps are up to 10x
-                            smaller and a run starts about ``1/(1 − β1)`` steps behind: the loss of
-                            a run of a few dozen steps.
+``momentum_correction``     ``True`` (0/1 Adam): every step divides the momentum by ``1 − β1^t``
+                            as Adam does. Uncorrected, the first steps are up to 10x smaller and a
+                            run starts about ``1/(1 − β1)`` steps behind, and a short run's early
+                            freeze leaves its first local steps short: a few dozen steps' loss.
 ``clip_synced_momentum``    ``False`` (0/1 Adam): with ``update_clip`` the momentum its syncs
                             restore is not clipped a second time.
 ``precondition_exchange``   ``True`` (1-bit Adam, 0/1 Adam): after the freeze the exchange carries

@@ -13,9 +13,10 @@ Two phases:
   own gradient and accumulates its updates ``u = -Σ Δ`` and learning rates ``λ = Σ lr``. On a
   *sync step* (``t mod local_interval == 0``) the ranks average ``u ⊙ (sqrt(v)+eps)`` with the
   1-bit compressed all-reduce (by default hf_onebit compresses ``u`` itself and multiplies the
-  mean by ``sqrt(v)+eps``: ``precondition_exchange``), move every parameter to ``last synced point + ū/(sqrt(v)+eps)``
-  and restart from the momentum ``-ū/λ``. After ``local_step_scaler`` local-phase steps the
-  interval between syncs doubles, up to ``local_step_clipper``.
+  mean by ``sqrt(v)+eps``: ``precondition_exchange``), move every parameter to ``last synced
+  point + ū/(sqrt(v)+eps)`` and restart from the momentum ``-ū/λ`` (times ``1 - β1**t`` with
+  ``momentum_correction``). After ``local_step_scaler`` local-phase steps the interval between
+  syncs doubles, up to ``local_step_clipper``.
 
 Deviation from the paper (which has no mask): with ``auto_mask`` (default) coordinates whose
 averaged gradient was zero on every variance step so far, or whose ``sqrt(v)`` is below
@@ -74,14 +75,12 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         auto_mask: from the first compressing step, keep at zero the momentum and synced update
             of coordinates whose averaged gradient was zero on every variance step, or whose
             ``sqrt(v)`` is below ``eps/100`` (not in the paper; ``False`` follows it exactly).
-        momentum_correction: in the variance phase divide the momentum by ``1 - β1**t`` (``t``
-            the step), as Adam does, so that with ``bias_correction`` the first
-            ``var_update_scaler`` steps (all variance steps) are AdamW's. Default ``True``;
-            uncorrected (``defaults="paper"``: the paper and DeepSpeed) the first steps
-            are up to ``1/(1 - β1)`` = 10x smaller and the run starts about ``1/(1 - β1)`` steps
-            behind, which a run of a few dozen steps does not make up. The local phase needs no
-            correction: by then ``β1**t`` is negligible, and each sync restores an unbiased
-            momentum ``-ū/λ``.
+        momentum_correction: step by ``m̂ = m/(1 - β1**t)`` (``t`` the step), as Adam does, so
+            that with ``bias_correction`` the variance steps are AdamW's; a sync restores the raw
+            momentum ``(1 - β1**t)·m̂``. Default ``True``; uncorrected (``defaults="paper"``: the
+            paper and DeepSpeed) the first steps are up to ``1/(1 - β1)`` = 10x smaller and the
+            run starts about ``1/(1 - β1)`` steps behind, which a run of a few dozen steps does
+            not make up; a freeze at step 8 leaves the first local steps 0.43 short.
         refresh_mask: with ``auto_mask``, until the variance freezes, release a masked
             coordinate at the first variance step where its averaged gradient is non-zero (and
             ``sqrt(v)`` reaches ``eps/100``). With a ``var_update_scaler`` the first compressing
@@ -466,28 +465,38 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             for kind in sorted(set(unclipped_u)):  # usually one pass: every tensor alike
                 part = chunk if len(set(unclipped_u)) == 1 else chunk.subset(
                     [i for i, x in enumerate(unclipped_u) if x == kind])
-                self._local_update(part, clip, kind, ok)
+                self._local_update(part, clip, kind, ok, t)
         if plan is Plan.SYNC_AFTER_STEP:
-            self._sync()
+            self._sync(t)
         self.local_counter += 1
         if self.local_counter == self.local_step_scaler:
             self.local_counter = 0
             self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
 
-    def _local_update(self, chunk: Chunk, clip: bool, unclipped_u: bool, ok: torch.Tensor | None) -> None:
+    def _momentum_bias(self, group: dict, t: int) -> float:
+        """``c1 = 1 - β1**t`` with ``momentum_correction`` (else 1): the local phase steps by
+        ``m̂ = m/c1`` as the variance phase does, which an early freeze in a short run needs
+        (``β1**t`` is 0.43 at step 8), and a sync stores ``c1·m̂``, so ``m`` stays Adam's raw mean."""
+        return 1 - group["betas"][0] ** t if self.momentum_correction else 1.0
+
+    def _local_update(self, chunk: Chunk, clip: bool, unclipped_u: bool, ok: torch.Tensor | None,
+                      t: int) -> None:
         """One local step: ``m``, then ``p -= Δ`` and ``u -= Δ`` (``unclipped_u``: ``u`` takes the
-        unclipped ``Δ``, see the caller)."""
+        unclipped ``Δ``, see the caller), ``Δ = lr·(m̂/(max(sqrt(v̂), |m̂|/clip) + eps) + wd·p)``
+        with ``m̂ = m/c1``: ``_deltas`` at ``lr/c1`` and ``wd·c1``, no op more."""
         group = chunk.group
         beta1 = group["betas"][0]
+        c1 = self._momentum_bias(group, t)
         lr, wd = group["lr"], group["weight_decay"]
         m = chunk.state("exp_avg")
         torch._foreach_mul_(m, masked_factor(beta1, ok))
         torch._foreach_add_(m, chunk.grads, alpha=1 - beta1)
         self.apply_masks_(chunk, m)
-        delta = self._deltas(chunk, m, self._denominators(chunk, m if clip and not unclipped_u else None), lr, wd, ok)
+        delta = self._deltas(chunk, m, self._denominators(chunk, m if clip and not unclipped_u else None, c1),
+                             lr / c1, wd * c1, ok)
         torch._foreach_sub_(chunk.state("momentum_accumulator"), delta)
         if clip and unclipped_u:
-            delta = self._deltas(chunk, m, self._denominators(chunk, m), lr, wd, ok)
+            delta = self._deltas(chunk, m, self._denominators(chunk, m, c1), lr / c1, wd * c1, ok)
         self._update(chunk, delta)
         for state in chunk.states:  # on the host, so a masked step counts too (λ is documented so)
             state["lr_sum"] += lr
@@ -507,8 +516,9 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             for seg in self.exchange.covering_all(params[0].device):
                 seg.comm.reset()
 
-    def _sync(self) -> None:
-        """Average ``u ⊙ (sqrt(v)+eps)`` (1 bit), restart every rank from the same point."""
+    def _sync(self, t: int) -> None:
+        """Average ``u ⊙ (sqrt(v)+eps)`` (1 bit), restart every rank from the same point, with the
+        momentum ``m = -c1·ū ⊙ (sqrt(v)+eps)/λ`` (``c1``: :meth:`_momentum_bias` at step ``t``)."""
         params = self.params_in_order()
         if self.world_size == 1:
             for chunk in chunks(self, self._init_local_state, params=params):
@@ -518,7 +528,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                     m = part.state("exp_avg")
                     torch._foreach_copy_(m, part.state("momentum_accumulator"))
                     torch._foreach_mul_(m, self._denominators(part))
-                    torch._foreach_div_(m, [-s["lr_sum"] for s in part.states])
+                    torch._foreach_div_(m, [-s["lr_sum"] / self._momentum_bias(part.group, t) for s in part.states])
                 self._restart(chunk)
             return
         segments = self.exchange.covering_all(params[0].device)
@@ -556,7 +566,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                         torch._foreach_mul_(ubar_live, lams)
                     m = part.state("exp_avg")
                     torch._foreach_copy_(m, ubar_live)
-                    torch._foreach_div_(m, [-lam for lam in lams])
+                    torch._foreach_div_(m, [-lam / self._momentum_bias(part.group, t) for lam in lams])
                     points = part.state("synced_param")
                     # the paper's (p - u) + ū/(sqrt(v)+eps); with update_clip no coordinate moves by more than update_clip·λ
                     roots_live = roots if part is chunk else [roots[i] for i in live]

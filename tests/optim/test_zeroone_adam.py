@@ -72,7 +72,7 @@ class ZeroOneAdamSimulation:
         # hf_onebit's option (refresh_mask): until the freeze, each variance step releases the masked
         # coordinates that the mask rule, applied to the variance steps so far, would keep
         self.refresh_mask = refresh_mask
-        # hf_onebit's option: in the variance phase m̂ = m/(1 - β1**t)
+        # hf_onebit's option: every step moves by m̂ = m/(1 - β1**t), and a sync restores m = (1 - β1**t)·m̂
         self.momentum_correction = momentum_correction
         # hf_onebit's option: sqrt(v) divided by sqrt(1 - β2**k), k = variance updates so far
         self.bias_correction, self.var_updates = bias_correction, 0
@@ -169,14 +169,15 @@ class ZeroOneAdamSimulation:
                 self.x = [[x.copy() for x in self.p[r]] for r in range(n)]  # the last synced point
             self._freeze_mask()
             sync = t % self.local_interval == 0
+            c1 = np.float32(1 - b1 ** t) if self.momentum_correction else np.float32(1)
             for r in range(n):
                 lone = not self.clip_synced and sync and self.lam[r] == 0.0  # a sync right after this one local step
                 for k in range(P):
                     self.m[r][k] = b1 * self.m[r][k] + (1 - b1) * grads[r][k]
                     self.m[r][k] = self.m[r][k] * self.mask[k]
-                    clipped = lr * (self.m[r][k] / self._denom(k, self.m[r][k]) + wd * self.p[r][k])
+                    clipped = lr * (self.m[r][k] / (self._denom(k, self.m[r][k], c1) * c1) + wd * self.p[r][k])
                     # u takes the unclipped step when a sync follows this one step, else the clipped one
-                    unclipped = lr * (self.m[r][k] / self._denom(k) + wd * self.p[r][k])
+                    unclipped = lr * (self.m[r][k] / (self._denom(k) * c1) + wd * self.p[r][k])
                     self.u[r][k] = self.u[r][k] - (unclipped if lone else clipped)
                     self.p[r][k] = self.p[r][k] - clipped
                 self.lam[r] += lr
@@ -196,7 +197,7 @@ class ZeroOneAdamSimulation:
                     ubar = [u * mk for u, mk in zip(ubar, self.mask)]
                 for r in range(n):
                     for k in range(P):
-                        self.m[r][k] = -ubar[k] / self.lam[r]
+                        self.m[r][k] = -ubar[k] / self.lam[r] * c1
                         # one process: the exchange is exact and hf_onebit skips the round trip,
                         # leaving the parameters where the local steps took them
                         if n > 1:
@@ -448,6 +449,25 @@ def test_momentum_and_bias_correction_make_the_first_steps_adamw():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
     assert opt.var_updates == 16
+
+
+def test_momentum_correction_makes_an_early_freezes_local_steps_one_bit_adams():
+    """One process, a freeze at step 8 (β1**8 = 0.43), a sync every step, no weight decay: with
+    both corrections the local phase steps by m/(1 - β1**t) and restores the raw m, so 0/1 Adam is
+    1-bit Adam with the same freeze (another optimizer, written apart), step for step."""
+    from hf_onebit.optim.onebit_adam import OneBitAdam
+    from hf_onebit.optim.zeroone_adam import ZeroOneAdam
+
+    torch.manual_seed(0)
+    model, reference = FixedGradModel(), FixedGradModel()
+    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, update_clip=None, bias_correction=True)
+    opt = ZeroOneAdam(model.parameters(), **kw, var_freeze_step=8, var_update_scaler=None, momentum_correction=True)
+    history, _, _ = _train_one_process(16, opt, model)
+    expected, _, _ = _train_one_process(16, OneBitAdam(reference.parameters(), **kw, freeze_step=8), reference)
+    for step, (got, want) in enumerate(zip(history, expected), start=1):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    assert opt.var_updates == 8 and opt.phase() == "local_steps"
 
 
 def _momentum_units_run(rank, world_size):
