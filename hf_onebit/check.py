@@ -481,13 +481,6 @@ def report_overlap(r: dict, where: str, report: Report) -> None:
                 where=where)
 
 
-def _overlap_or_error(device: torch.device) -> dict:
-    try:
-        return measure_overlap(device)
-    except Exception:  # noqa: BLE001 - reported
-        return {"error": traceback.format_exc(limit=3)}
-
-
 def run_world(device: torch.device, steps: int, side, sync_check: bool) -> dict:
     """Every part that needs the process group, each agreed on by every rank before the next:
     ``{"train": {(name, precision): result}, "overlap": result}``, and ``"stopped": message`` when a

@@ -286,12 +286,6 @@ class TimeRecord:
             return None
         return min(1.0, max(0.0, 1.0 - self.wait / self.comm))
 
-    @property
-    def link_time(self) -> float:
-        """Time attributed to the network: the ``exchange`` stages, plus the whole time of jobs
-        that mark no stages (which then includes their compression: an upper bound)."""
-        return self.exchange + (self.comm - self.staged_comm)
-
 
 _MARK = object()  # a step boundary in the pending records
 #: past this many pending records (a reader that never reads, or a GPU far behind) new jobs are not timed

@@ -103,9 +103,6 @@ class Conversion:
             args += [flag] if value is None else [flag, value]
         return args
 
-    def launcher_line(self, library: bool = False) -> str:
-        return " ".join(map(shell_word, self.launcher_args(library)))
-
     def constructor_call(self, library: bool = False) -> str:
         kwargs = self.library_kwargs if library else self.kwargs
         inner = "".join(f", {k}={v!r}" for k, v in kwargs.items())

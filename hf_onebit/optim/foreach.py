@@ -89,9 +89,8 @@ class Chunk:
         return self.params[0].dtype == torch.float32
 
     def update_params_(self, update: Callable[[list[torch.Tensor]], object], slot: int) -> None:
-        """Apply the in-place list ``update`` to the parameters in fp32, rounding once (as
-        :func:`~hf_onebit.optim.tensors.update_in_fp32_` per tensor): bf16/fp16 parameters go
-        through fp32 copies in workspace ``slot``, written back."""
+        """Apply the in-place list ``update`` to the parameters in fp32, rounding once: bf16/fp16
+        parameters go through fp32 copies in workspace ``slot``, written back."""
         if self.fp32:
             update(self.params)
             return
@@ -162,3 +161,21 @@ def select_(state: list[torch.Tensor], new: list[torch.Tensor], ok: torch.Tensor
     torch._foreach_mul_(new, okf)
     torch._foreach_mul_(state, 1 - okf)
     torch._foreach_add_(state, new)
+
+
+def clip_roots_(roots: list[torch.Tensor], by: list[torch.Tensor], limit: float,
+                scratch: list[torch.Tensor] | None = None) -> None:
+    """The update clip (docs/algorithms.md, "Update clip"): ``roots = max(roots, |by|·(1/limit))``.
+
+    1-bit Adam, 0/1 Adam and 1-bit LAMB divide by ``max(sqrt(v̂), |m|/limit) + eps`` where their
+    variance is stale, so no coordinate's adaptive step exceeds ``limit`` (``update_clip`` times the
+    method's own scale: Adam's momentum bias correction, 0/1 Adam's ``λ`` at a sync). ``|by|`` goes
+    into ``scratch``, or into new tensors without it."""
+    if scratch is None:
+        scratch = torch._foreach_abs(by)
+    else:
+        torch._foreach_copy_(scratch, by)
+        torch._foreach_abs_(scratch)
+    if limit != 1.0:  # x·1 = x: the HF default (update_clip 1.0) skips a pass
+        torch._foreach_mul_(scratch, 1 / limit)
+    torch._foreach_maximum_(roots, scratch)

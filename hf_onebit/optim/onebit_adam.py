@@ -23,12 +23,11 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.foreach import Chunk, chunks, masked_factor, select_
+from hf_onebit.optim.foreach import Chunk, chunks, clip_roots_, masked_factor, select_
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.update_clip import check_update_clip, clip_roots_
-from hf_onebit.optim.validation import check_bool, check_warmup_bits
+from hf_onebit.optim.validation import check_bool, check_update_clip, check_warmup_bits
 
 
 def adam_update_(

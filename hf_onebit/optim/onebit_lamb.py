@@ -12,13 +12,17 @@ from functools import partial
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.foreach import Chunk, chunks, masked_factor, select_
+from hf_onebit.optim.foreach import Chunk, chunks, clip_roots_, masked_factor, select_
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.tensors import logical
-from hf_onebit.optim.update_clip import check_update_clip, clip_roots_
-from hf_onebit.optim.validation import check_bool, check_warmup_bits
+from hf_onebit.optim.validation import check_bool, check_update_clip, check_warmup_bits
+
+
+def logical(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if contiguous, else a contiguous copy: reductions over it then sum in logical
+    order, so a channels_last tensor reduces bitwise like the same values stored contiguously."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, group: dict) -> torch.Tensor:
@@ -275,10 +279,6 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         return 1.0 if bc is None else bc[1]
 
     # ---------------------------------------------------------------- the hook side
-    def _scaling(self, p: torch.Tensor) -> torch.Tensor | None:
-        state = self.state.get(p)
-        return None if not state else state.get("scaling")
-
     def prepare_bucket(self, plan, params, grads, outs, inv_scale) -> None:
         """Compression phase: ``out = (β1·m_p + (1−β1)·g_p,i)·scaling_p`` (``g`` unscaled), list ops."""
         if plan is not Plan.COMPRESS_MOMENTUM:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 
@@ -27,6 +28,15 @@ def check_bool(value: bool, name: str) -> None:
     """A switch: exactly ``True`` or ``False`` (a string such as ``"false"`` would be truthy)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_update_clip(value: float | None) -> float | None:
+    """``update_clip`` is ``None`` or a finite number > 0; returns it as a float (or ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"update_clip must be a positive number or None, got {value!r}")
+    return float(value)
 
 
 def check_scale_block(value, name: str = "scale_block") -> int | None:

@@ -38,8 +38,7 @@ from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_default
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.local_state import LocalPhaseState
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.update_clip import check_update_clip
-from hf_onebit.optim.validation import check_bool, check_positive_int, check_warmup_bits
+from hf_onebit.optim.validation import check_bool, check_positive_int, check_update_clip, check_warmup_bits
 
 
 class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
@@ -380,7 +379,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         denom = self._roots(chunk) if roots is None else roots
         if self.update_clip is not None and clip_by is not None:
             scratch = torch._foreach_abs(clip_by)
-            if isinstance(clip_scales, list):  # clip_root_'s |clip_by|·(1/limit), one limit per tensor
+            if isinstance(clip_scales, list):  # clip_roots_'s |clip_by|·(1/limit), one limit per tensor
                 torch._foreach_mul_(scratch, [1 / (self.update_clip * c) for c in clip_scales])
             else:
                 torch._foreach_mul_(scratch, 1 / (self.update_clip * clip_scales))
