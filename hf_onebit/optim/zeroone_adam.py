@@ -438,7 +438,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             torch._foreach_add_(m, grads, alpha=1 - beta1)
             self.apply_masks_(chunk, m)
             # momentum_correction: m̂ = m/c1 as Adam's; m/(c1·(max(sqrt(v̂), |m̂|/clip) + eps)) = m̂/(...)
-            c1 = 1 - beta1 ** t if self.momentum_correction else 1.0
+            c1 = self._momentum_bias(group, t)
             denom = self._denominators(chunk, None if variance_step else m, c1)
             if self.momentum_correction:
                 torch._foreach_mul_(denom, c1)
@@ -473,9 +473,9 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
 
     def _momentum_bias(self, group: dict, t: int) -> float:
-        """``c1 = 1 - β1**t`` with ``momentum_correction`` (else 1): the local phase steps by
-        ``m̂ = m/c1`` as the variance phase does, which an early freeze in a short run needs
-        (``β1**t`` is 0.43 at step 8), and a sync stores ``c1·m̂``, so ``m`` stays Adam's raw mean."""
+        """``c1 = 1 - β1**t`` with ``momentum_correction`` (else 1): every step moves by ``m̂ = m/c1``
+        (in the local phase too, which an early freeze in a short run needs: ``β1**t`` is 0.43 at
+        step 8), and a sync stores ``c1·m̂``, so ``m`` stays Adam's raw mean."""
         return 1 - group["betas"][0] ** t if self.momentum_correction else 1.0
 
     def _local_update(self, chunk: Chunk, clip: bool, unclipped_u: bool, ok: torch.Tensor | None,
@@ -527,7 +527,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                     m = part.state("exp_avg")
                     torch._foreach_copy_(m, part.state("momentum_accumulator"))
                     torch._foreach_mul_(m, self._denominators(part))
-                    torch._foreach_div_(m, [-s["lr_sum"] / self._momentum_bias(part.group, t) for s in part.states])
+                    c1 = self._momentum_bias(part.group, t)
+                    torch._foreach_div_(m, [-s["lr_sum"] / c1 for s in part.states])
                 self._restart(chunk)
             return
         segments = self.exchange.covering_all(params[0].device)
@@ -565,7 +566,8 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
                         torch._foreach_mul_(ubar_live, lams)
                     m = part.state("exp_avg")
                     torch._foreach_copy_(m, ubar_live)
-                    torch._foreach_div_(m, [-lam / self._momentum_bias(part.group, t) for lam in lams])
+                    c1 = self._momentum_bias(part.group, t)
+                    torch._foreach_div_(m, [-lam / c1 for lam in lams])
                     points = part.state("synced_param")
                     # the paper's (p - u) + ū/(sqrt(v)+eps); with update_clip no coordinate moves by more than update_clip·λ
                     roots_live = roots if part is chunk else [roots[i] for i in live]
