@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_onebit import check
+from hf_onebit.check import speed, world
 from hf_onebit.kernels import cpu, selftest
 from tests.distributed import run_distributed
 
@@ -26,8 +27,8 @@ def test_the_check_passes_on_this_machine_and_trains_every_optimizer_in_both_pre
     out = res.stdout
     assert res.returncode == 0, out + res.stderr
     assert "[kernels ] ok" in out
-    for precision in check.PRECISIONS:
-        for name in check.OPTIMIZERS:
+    for precision in world.PRECISIONS:
+        for name in world.OPTIMIZERS:
             line = next(x for x in out.splitlines() if f" {name} {precision} on " in x)
             assert line.startswith(f"[train   ] ok    {name} {precision} on 2 spawned CPU processes (gloo): 5 steps"), out
             assert "phase warmup" not in line and "phase variance" not in line  # the automatic freeze ended it
@@ -58,26 +59,26 @@ def test_the_speed_goal_comes_from_the_byte_floors():
     floor is 2.5x); any one of them three times slower fails; small buffers are not judged."""
     n = padded = 1 << 26
     seconds = {k: v / 1e3 for k, v in H200.items()}
-    status, detail, shares = check.judge_speed(seconds, n, padded, "cuda")
+    status, detail, shares = speed.judge_speed(seconds, n, padded, "cuda")
     assert status == "ok", detail
     assert {k: round(100 * v) for k, v in shares.items()} == {"worker_scale": 81, "worker_pack": 92, "unpack_scaled": 56}
     assert "compress takes 2.88x a copy_ (its byte floor: 2.52x)" in detail  # > 2x: the former goal failed
     for run in H200_RUNS:
         seconds = {k: v / 1e3 for k, v in run.items()}
-        assert check.judge_speed(seconds, n, padded, "cuda")[0] == "ok", run
+        assert speed.judge_speed(seconds, n, padded, "cuda")[0] == "ok", run
         for kernel in ("worker_scale", "worker_pack", "unpack_scaled"):
             slow = dict(seconds, **{kernel: 3 * seconds[kernel]})
-            status, detail, _ = check.judge_speed(slow, n, padded, "cuda")
+            status, detail, _ = speed.judge_speed(slow, n, padded, "cuda")
             assert status == "FAIL" and detail.endswith(f"too slow: {kernel}"), detail
     seconds = {k: v / 1e3 for k, v in H200.items()}
     # a slower copy_ (another GPU) with kernels as slow in proportion still passes
-    assert check.judge_speed({k: 2 * v for k, v in seconds.items()}, n, padded, "cuda")[0] == "ok"
-    assert check.judge_speed(seconds, n // 4, padded // 4, "cuda")[0] == "skip"  # fixed costs dominate there
-    assert check.judge_speed(seconds, n, padded, "cpu")[0] == "ok"  # no goal for numba
+    assert speed.judge_speed({k: 2 * v for k, v in seconds.items()}, n, padded, "cuda")[0] == "ok"
+    assert speed.judge_speed(seconds, n // 4, padded // 4, "cuda")[0] == "skip"  # fixed costs dominate there
+    assert speed.judge_speed(seconds, n, padded, "cpu")[0] == "ok"  # no goal for numba
 
 
 def test_the_byte_floors_count_what_each_kernel_reads_and_writes():
-    moved = check.speed_bytes(1000, 1024)  # 1000 elements, the error buffer padded to 1024
+    moved = speed.speed_bytes(1000, 1024)  # 1000 elements, the error buffer padded to 1024
     assert moved["copy_"] == 8000  # reads and writes 4 bytes an element
     assert moved["worker_scale"] == 4000 + 4096  # reads x and the error
     assert moved["worker_pack"] == 4000 + 2 * 4096 + 128  # reads x and the error; writes the error and 1 bit
@@ -95,10 +96,10 @@ def test_bad_arguments_are_refused_before_anything_runs(capsys):
 
 def test_the_overlap_figure_follows_from_the_three_timings(capsys):
     report = check.Report()
-    check.report_overlap({"compute_ms": 100.0, "overlapped_ms": 130.0, "serial_ms": 180.0, "hidden": 0.625,
+    world.report_overlap({"compute_ms": 100.0, "overlapped_ms": 130.0, "serial_ms": 180.0, "hidden": 0.625,
                           "phase": "compression", "params": 6_300_000}, "2 ranks", report)
-    check.report_overlap({"error": "Traceback ...\nRuntimeError: boom"}, "2 ranks", report)
-    check.report_overlap({"compute_ms": 100.0, "overlapped_ms": 101.0, "serial_ms": 99.0, "hidden": float("nan"),
+    world.report_overlap({"error": "Traceback ...\nRuntimeError: boom"}, "2 ranks", report)
+    world.report_overlap({"compute_ms": 100.0, "overlapped_ms": 101.0, "serial_ms": 99.0, "hidden": float("nan"),
                           "phase": "compression", "params": 6_300_000}, "2 ranks", report)
     out = capsys.readouterr().out
     assert "[overlap ] skip  on 2 ranks: the communication's cost is below the timing noise" in out
@@ -128,7 +129,7 @@ def _result(**kw):
 
 def test_a_failed_training_step_is_reported_per_optimizer(capsys):
     report = check.Report()
-    check.report_training({
+    world.report_training({
         ("onebit_adam", "bf16"): _result(same=False),
         ("binsgdm", "fp16"): _result(phase="vote", ratio=1.0),
         ("zeroone_adam", "bf16"): _result(phase="variance"),
@@ -145,7 +146,7 @@ def test_a_failed_training_step_is_reported_per_optimizer(capsys):
 
 def test_host_syncs_are_counted_apart_from_the_deliberate_ones(capsys):
     report = check.Report()
-    check.report_training({
+    world.report_training({
         ("onebit_adam", "bf16"): _result(watched=5, guard_syncs=5),
         ("onebit_lamb", "fp16"): _result(watched=5, scaler_syncs=5, syncs=2),
     }, "2 launched ranks (nccl, cuda)", report)
@@ -166,7 +167,7 @@ def _one_rank_fails_a_part(rank, world_size, how, pg_timeout):
     import torch.distributed as dist
 
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * pg_timeout))
-    real = check.train_step
+    real = world.train_step
 
     def faulty(run, it):
         if rank == 1 and it == 3:
@@ -175,14 +176,14 @@ def _one_rank_fails_a_part(rank, world_size, how, pg_timeout):
             raise ValueError("injected fault on rank 1")
         real(run, it)
 
-    check.train_step = faulty
+    world.train_step = faulty
     start = time.monotonic()
     try:
-        out = check.run_world(torch.device("cpu"), 5, side, sync_check=False)
-    except check.CheckAborted as exc:
+        out = world.run_world(torch.device("cpu"), 5, side, sync_check=False)
+    except world.CheckAborted as exc:
         out = {"aborted": str(exc)}
     finally:
-        check.train_step = real
+        world.train_step = real
     return {**out, "seconds": time.monotonic() - start}
 
 
@@ -219,7 +220,7 @@ def _gathered(rank, world_size):
     report = check.Report(quiet=True)
     if rank == 1:  # its GPU failed the kernels; rank 0's did not
         report.line("kernels", "FAIL", "bf16 bucket:\nunpacked 3 values wrong")
-    check.gather_local_failures(side, report)
+    world.gather_local_failures(side, report)
     return report.failed, report.failures
 
 
