@@ -51,30 +51,8 @@ from .cpu_loops import (
 )
 from .reference import check_bounds, levels, pack_codes, pack_signs, unpack_codes, unpack_signs
 
-__all__ = [
-    "check_bounds",
-    "levels",
-    "pack_bools",
-    "pack_codes",
-    "pack_signs",
-    "qserver_average",
-    "qserver_pack",
-    "qserver_scale",
-    "qunpack_scaled",
-    "qworker_pack",
-    "qworker_scale",
-    "server_average",
-    "server_pack",
-    "server_scale",
-    "unpack_codes",
-    "unpack_scaled",
-    "unpack_signs",
-    "worker_pack",
-    "worker_scale",
-    "vote_threshold",
-    "vote_uniform",
-    "vote_uniform_table",
-]
+#: the kernel contract's operations, and the code helpers every backend shares with the reference
+__all__ = [*contract.OPERATIONS, "levels", "pack_codes", "unpack_codes"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -59,30 +59,8 @@ import torch
 
 from hf_onebit.kernels import contract
 
-__all__ = [
-    "pack_signs",
-    "pack_bools",
-    "unpack_signs",
-    "worker_scale",
-    "worker_pack",
-    "server_average",
-    "server_scale",
-    "server_pack",
-    "unpack_scaled",
-    "check_bounds",
-    "qworker_scale",
-    "qworker_pack",
-    "qserver_average",
-    "qserver_scale",
-    "qserver_pack",
-    "qunpack_scaled",
-    "pack_codes",
-    "unpack_codes",
-    "levels",
-    "vote_threshold",
-    "vote_uniform",
-    "vote_uniform_table",
-]
+#: the kernel contract's operations, and the code helpers the other backends import from here
+__all__ = [*contract.OPERATIONS, "levels", "pack_codes", "unpack_codes"]
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 

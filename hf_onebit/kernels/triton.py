@@ -94,31 +94,8 @@ from .triton_pieces import (
     _worker_scale_pieces,
 )
 
-__all__ = [
-    "check_bounds",
-    "DEFAULT_BLOCK",
-    "levels",
-    "pack_bools",
-    "pack_codes",
-    "pack_signs",
-    "qserver_average",
-    "qserver_pack",
-    "qserver_scale",
-    "qunpack_scaled",
-    "qworker_pack",
-    "qworker_scale",
-    "server_average",
-    "server_pack",
-    "server_scale",
-    "unpack_codes",
-    "unpack_scaled",
-    "unpack_signs",
-    "worker_pack",
-    "worker_scale",
-    "vote_threshold",
-    "vote_uniform",
-    "vote_uniform_table",
-]
+#: the kernel contract's operations, and the code helpers every backend shares with the reference
+__all__ = [*contract.OPERATIONS, "DEFAULT_BLOCK", "levels", "pack_codes", "unpack_codes"]
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
