@@ -78,6 +78,14 @@ def shard_size(optimizer: OneBitOptimizer) -> int:
 EXTRA = "extra"
 
 
+def _identity(optimizer: OneBitOptimizer) -> dict:
+    """What a per-rank file says it belongs to, which loading it must match: the format, the
+    optimizer class, this rank among how many, the node layout and the shard size."""
+    rank, world = file_rank(optimizer)
+    return {"format": FORMAT_VERSION, "optimizer": type(optimizer).__name__, "rank": rank, "world_size": world,
+            "nodes": rank_state.node_layout(optimizer), "shard_size": shard_size(optimizer)}
+
+
 def save_rank_state(optimizer: OneBitOptimizer, directory: str, extra: dict | None = None) -> str:
     """Write this rank's state into ``directory`` (every rank calls this); returns the path.
 
@@ -93,17 +101,8 @@ def save_rank_state(optimizer: OneBitOptimizer, directory: str, extra: dict | No
     buf = io.BytesIO()
     torch.save(payload, buf)
     data = buf.getvalue()
-    meta = {
-        "format": FORMAT_VERSION,
-        "optimizer": type(optimizer).__name__,
-        "rank": rank,
-        "world_size": world,
-        "nodes": rank_state.node_layout(optimizer),
-        "shard_size": shard_size(optimizer),
-        "steps_done": optimizer.steps_done,
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "bytes": len(data),
-    }
+    meta = {**_identity(optimizer), "steps_done": optimizer.steps_done, "sha256": hashlib.sha256(data).hexdigest(),
+            "bytes": len(data)}
     for path, payload, mode in ((pt_path, data, "wb"), (json_path, json.dumps(meta, indent=1), "w")):
         tmp = path + ".tmp"
         with open(tmp, mode) as f:
@@ -122,16 +121,7 @@ def _verified_state(optimizer: OneBitOptimizer, pt_path: str, json_path: str) ->
             meta = json.load(f)
     except (OSError, ValueError) as exc:
         raise RankStateError(f"cannot read {json_path}: {exc}") from exc
-    rank, world = file_rank(optimizer)
-    expected = {
-        "format": FORMAT_VERSION,
-        "optimizer": type(optimizer).__name__,
-        "rank": rank,
-        "world_size": world,
-        "nodes": rank_state.node_layout(optimizer),
-        "shard_size": shard_size(optimizer),
-    }
-    for key, want in expected.items():
+    for key, want in _identity(optimizer).items():
         if key not in meta:
             raise RankStateError(f"{json_path} has no {key!r} entry: not a per-rank state file of this hf_onebit")
         if meta[key] != want:
