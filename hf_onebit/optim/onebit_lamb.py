@@ -141,7 +141,10 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`): a frozen ``v`` that is small where
             the 1-bit momentum is ``±scale`` would otherwise give that coordinate a step of
             ``scale/sqrt(v)``. The factor ``f`` still compares the unclipped ``sqrt(v)+eps`` with
-            ``sqrt(v_fresh)+eps``. Not per group. Default ``1.0`` (``defaults="paper"``: ``None``).
+            ``sqrt(v_fresh)+eps``. Not per group. Default ``1.0`` (``defaults="paper"``: ``None``):
+            a looser bound (``2.0``) tracks LAMB more closely where the lr is moderate, but lets a
+            from-scratch run at a large lr drift away after an early freeze, which ``1.0`` holds
+            (``docs/results.md``, "Against its own baseline").
         warmup_bits: how the warmup exchanges the gradient: ``None`` (the spec) at full
             precision, ``8`` or ``4`` with the b-bit exchange and error feedback (see
             :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`).
