@@ -56,13 +56,13 @@ def test_no_clipping_for_binsgdm_and_the_adams_unless_given(patched, monkeypatch
 
 def test_lamb_learning_rate_unless_given(patched, monkeypatch, capfd):
     args = _parse_stock(monkeypatch, ["--optim", "onebit_lamb"])
-    assert args.learning_rate == 1e-3
-    assert "hf_onebit: --learning_rate 0.001 for --optim onebit_lamb (was 5e-05" in capfd.readouterr().err
+    assert args.learning_rate == 5e-4
+    assert "hf_onebit: --learning_rate 0.0005 for --optim onebit_lamb (was 5e-05" in capfd.readouterr().err
     assert _parse_stock(monkeypatch, ["--optim", "onebit_lamb", "--learning_rate", "5e-5"]).learning_rate == 5e-5
     assert _parse_stock(monkeypatch, ["--optim", "onebit_adam"]).learning_rate == 5e-5
     from hf_onebit.integrations.options import optimizer_kwargs
 
-    assert optimizer_kwargs("onebit_lamb", args)[1]["lr"] == 1e-3  # what the optimizer gets
+    assert optimizer_kwargs("onebit_lamb", args)[1]["lr"] == 5e-4  # what the optimizer gets
 
 
 def test_binsgdm_learning_rate_unless_given(patched, monkeypatch, capfd):
@@ -174,7 +174,7 @@ def _resolved(trainer) -> dict:
 
 
 EXPECTED_MAX_GRAD_NORM = {"onebit_adam": 0.0, "zeroone_adam": 0.0, "onebit_lamb": 1.0, "binsgdm": 0.0}
-EXPECTED_LEARNING_RATE = {"onebit_adam": 5e-5, "zeroone_adam": 5e-5, "onebit_lamb": 1e-3, "binsgdm": 1e-4}
+EXPECTED_LEARNING_RATE = {"onebit_adam": 5e-5, "zeroone_adam": 5e-5, "onebit_lamb": 5e-4, "binsgdm": 1e-4}
 
 
 @pytest.mark.parametrize("optim", list(EXPECTED_MAX_GRAD_NORM))
@@ -252,8 +252,8 @@ def test_onebit_training_arguments_built_in_python_keep_what_was_given(capfd):
     args = OneBitTrainingArguments("/tmp/hf_onebit_test", optim="onebit_lamb", learning_rate=5e-5, report_to="none")
     assert args.learning_rate == 5e-5 and args.max_grad_norm == 1.0
     args = OneBitTrainingArguments(optim="onebit_lamb", **common)
-    assert args.learning_rate == 1e-3
-    assert "--learning_rate 0.001 for --optim onebit_lamb (was 5e-05, the Trainer's default)" in capfd.readouterr().err
+    assert args.learning_rate == 5e-4
+    assert "--learning_rate 0.0005 for --optim onebit_lamb (was 5e-05, the Trainer's default)" in capfd.readouterr().err
     # set_optimizer: an hf_onebit name gets the same settings unless given (here or at construction)
     args = OneBitTrainingArguments(max_grad_norm=2.0, **common)
     args.set_optimizer("binsgdm")
@@ -280,8 +280,8 @@ def test_onebit_training_arguments_from_a_file_and_from_parser_defaults(tmp_path
     monkeypatch.setattr(sys, "argv", ["script.py", "--output_dir", str(tmp_path), "--optim", "onebit_lamb",
                                       "--report_to", "none"])
     (args,) = parser.parse_args_into_dataclasses()
-    assert args.learning_rate == 1e-3
-    assert "--learning_rate 0.001 for --optim onebit_lamb (was 0.0001, the script's default)" in capfd.readouterr().err
+    assert args.learning_rate == 5e-4
+    assert "--learning_rate 0.0005 for --optim onebit_lamb (was 0.0001, the script's default)" in capfd.readouterr().err
     monkeypatch.setattr(sys, "argv", ["script.py", "--output_dir", str(tmp_path), "--optim", "onebit_lamb",
                                       "--learning_r", "1e-4", "--report_to", "none"])
     (args,) = parser.parse_args_into_dataclasses()
