@@ -3,12 +3,13 @@
 For each --optim name: run A trains 24 steps (gradient accumulation 2, 3 DDP buckets, a
 checkpoint at step 12); run B resumes from A's checkpoint-12 in a fresh output directory.
 Checked: the loss falls, the logs carry the compression figures, the hook fires once per bucket
-per optimizer step, and B ends with parameters bitwise equal to A's on every rank.
+per optimizer step, and B ends with parameters bitwise equal to A's on every rank. All eight runs
+share one launch (the script's cases file), which pays the processes' start-up once.
 """
 
 from __future__ import annotations
 
-import shutil
+import json
 from collections import Counter
 
 import pytest
@@ -50,23 +51,32 @@ PHASES = {
 }
 
 
-def _train(tmp_path, name, out, results, resume=False):
-    args = [str(SCRIPTS / "onebit_train.py"), "--output_dir", str(out), "--result_dir", str(results),
+def _args(tmp, name, run, resume=None):
+    args = ["--output_dir", str(tmp / name / run), "--result_dir", str(tmp / name / f"res{run}"),
             "--optim", name, *COMMON, *CASES[name]]
-    if resume:
-        args += ["--resume", "last"]
-    accelerate_launch(args, timeout=300).check()
-    return [torch.load(results / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return args + (["--resume", str(resume)] if resume else [])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every optimizer's run A, then every run B resumed from A's checkpoint-12, in one launch."""
+    tmp = tmp_path_factory.mktemp("trainer")
+    cases = [_args(tmp, name, "A") for name in CASES]
+    cases += [_args(tmp, name, "B", resume=tmp / name / "A" / "checkpoint-12") for name in CASES]
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    accelerate_launch([str(SCRIPTS / "onebit_train.py"), str(tmp / "cases.json")], timeout=600).check()
+    return tmp
+
+
+def _results(tmp, name, run):
+    return [torch.load(tmp / name / f"res{run}" / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_two_processes_train_log_and_resume_bitwise(tmp_path, name):
-    a = _train(tmp_path, name, tmp_path / "A", tmp_path / "resA")
-    checkpoint = tmp_path / "A" / "checkpoint-12"
+def test_two_processes_train_log_and_resume_bitwise(runs, name):
+    a, b = _results(runs, name, "A"), _results(runs, name, "B")
+    checkpoint = runs / name / "A" / "checkpoint-12"
     assert sorted(p.name for p in (checkpoint / "hf_onebit").iterdir()) == ["hf_onebit_rank0_of2.json", "hf_onebit_rank0_of2.pt", "hf_onebit_rank1_of2.json", "hf_onebit_rank1_of2.pt"]
-    (tmp_path / "B").mkdir()
-    shutil.copytree(checkpoint, tmp_path / "B" / "checkpoint-12")
-    b = _train(tmp_path, name, tmp_path / "B", tmp_path / "resB", resume=True)
 
     for rank in range(2):
         assert a[rank]["world_size"] == 2

@@ -2,14 +2,19 @@
 
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml \
         tests/integrations/scripts/onebit_train.py --output_dir out --optim onebit_adam --freeze_step 6 ...
+    accelerate launch ... tests/integrations/scripts/onebit_train.py CASES.json
 
-Every rank writes ``<result_dir>/rank{r}.pt``: its final parameters, the log history, every
+The second form runs every argument list of ``CASES.json`` (a JSON list of lists) in turn in the
+same processes, Accelerate's state reset between them and the process group kept, so that one
+launch pays Python's and torch's start-up once. Every run's rank writes ``<result_dir>/rank{r}.pt``: its final parameters, the log history, every
 call of the communication hook (optimizer step, number of parameters in the bucket) and, with
 ``--check_grad``, the gradient norm of step 1 recomputed as the plain mean over the global batch.
 """
 
 import copy
+import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +28,7 @@ from transformers import (
 
 import hf_onebit
 from hf_onebit.integrations.accelerate import unwrap_optimizer
+from hf_onebit.integrations.defaults import command_line
 
 
 @dataclass
@@ -104,8 +110,13 @@ class GradCheckTrainer(hf_onebit.OneBitTrainer):
         return float(flat.norm())
 
 
-def main():
-    task, args = HfArgumentParser((TaskArguments, hf_onebit.OneBitTrainingArguments)).parse_args_into_dataclasses()
+def train(argv: list[str]) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()  # a run may ask for another mixed precision; the process group stays
+    GradientState._reset_state()
+    parser = HfArgumentParser((TaskArguments, hf_onebit.OneBitTrainingArguments))
+    task, args = parser.parse_args_into_dataclasses(args=argv)
     torch.manual_seed(0)
     config = BertConfig(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=32, num_labels=2, initializer_range=0.1,
@@ -134,6 +145,16 @@ def main():
         os.makedirs(task.result_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0
         torch.save(result, os.path.join(task.result_dir, f"rank{rank}.pt"))
+
+
+def main():
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        with open(sys.argv[1]) as f:
+            for argv in json.load(f):
+                with command_line(argv):  # what each run gives counts as given, not the cases file
+                    train(argv)
+    else:
+        train(sys.argv[1:])
 
 
 if __name__ == "__main__":
