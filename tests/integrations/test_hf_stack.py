@@ -14,6 +14,9 @@ tiny BERT from a config for 24 steps in each configuration below, with `--optim 
 * `--torch_compile --torch_compile_backend aot_eager` (dynamo's DDP graph split and AOT autograd,
   without compiling C++); the default inductor backend, which compiles C++ for a few minutes on
   CPU, is the `slow` test at the end;
+* 6 steps logged at every step, `--optim adamw_torch` and `--optim onebit_adam` in its warmup:
+  the logged loss is a plain mean over the global batch (the launcher applies transformers'
+  loss-normalisation fix to every optimizer), and the two runs log the same losses and norms;
 * a DDP model built under `torch._dynamo.config.optimize_ddp = "python_reducer"` (compiled
   autograd's reducer): refused when the hook is attached, before the first step, naming the
   alternative.
@@ -34,6 +37,7 @@ import sys
 import pytest
 import torch
 
+from hf_onebit.integrations.logs import PHASE_CODES
 from tests.integrations.launch import SCRIPTS, accelerate_launch, base_env
 from tests.requirements import require
 
@@ -65,6 +69,10 @@ def _cases(tmp):
             _case(tmp, "compile" + tag, optim, "--torch_compile", "--torch_compile_backend", "aot_eager", bucket_kb=0),
         ]
     cases.append(_case(tmp, "bf16", "onebit_adam", "--bf16", "--use_cpu"))
+    for optim, tag in (("onebit_adam", ""), ("adamw_torch", "_adamw")):  # later flags override COMMON's
+        cases.append(_case(tmp, "logged" + tag, optim, "--max_steps", "6", "--learning_rate", "1e-3", "--logging_steps",
+                           "1", "--max_grad_norm", "0", "--seed", "0",
+                           *(["--optim_args", "freeze_step=100"] if optim == "onebit_adam" else [])))
     # last: building DDP under the Python reducer changes inductor's and dynamo's global settings
     cases.append(_case(tmp, "python_reducer", "onebit_adam", python_reducer=True, expect_error=True))
     return cases
@@ -132,6 +140,16 @@ def test_baseline_trains_and_compresses(stack):
     calls = stack[1]["base"][0]["calls"]
     assert calls[1] == 1 and {calls[s] for s in range(2, STEPS + 1)} == {3}  # DDP's first iteration: 1 bucket
     _beside_adamw(stack, "base")
+
+
+def test_logged_loss_is_a_plain_mean_and_the_warmup_logs_adamws_numbers(stack):
+    adamw, onebit = ([h for h in stack[1][name][0]["log_history"] if "loss" in h] for name in ("logged_adamw", "logged"))
+    assert [h["step"] for h in adamw] == [h["step"] for h in onebit] == [1, 2, 3, 4, 5, 6]
+    assert adamw[0]["loss"] < 0.8  # a plain mean (ln 2 = 0.69 at the start), not multiplied by the 2 processes
+    for a, b in zip(adamw, onebit):
+        assert b["onebit/phase"] == PHASE_CODES["warmup"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-3), (a, b)
 
 
 def test_gradient_checkpointing(stack):

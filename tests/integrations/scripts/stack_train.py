@@ -36,6 +36,7 @@ from transformers import (
 from onebit_train import Synthetic  # the same tiny task (this script's folder is on sys.path)
 
 from hf_onebit.integrations.accelerate import unwrap_optimizer
+from hf_onebit.integrations.defaults import command_line
 from hf_onebit.optim import OneBitOptimizer
 
 
@@ -132,7 +133,8 @@ def main():
         cases = json.load(f)
     os.makedirs(result_dir, exist_ok=True)
     for case in cases:
-        run_case(case, result_dir)
+        with command_line(case["args"]):  # what the case gives counts as given, not the cases file
+            run_case(case, result_dir)
 
 
 if __name__ == "__main__":
