@@ -364,6 +364,23 @@ def cells_of(args, world: int) -> list[dict]:
     return out
 
 
+def _next_result(queue, procs) -> dict:
+    """The next cell's result from rank 0; a rank that exits first (its traceback is above) stops
+    the grid at once instead of leaving the others waiting in a collective."""
+    import queue as queues
+
+    while True:
+        try:
+            return queue.get(timeout=2)
+        except queues.Empty:
+            gone = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode is not None]
+            if gone:
+                for p in procs:
+                    p.kill()
+                rank, code = gone[0]
+                raise SystemExit(f"rank {rank} exited with {code} before the grid was done") from None
+
+
 def run_grid(args) -> list[dict]:
     import torch.multiprocessing as mp
 
@@ -379,7 +396,7 @@ def run_grid(args) -> list[dict]:
         for p in procs:
             p.start()
         for i in range(len(cells)):
-            r = queue.get(timeout=3600)
+            r = _next_result(queue, procs)
             results.append(r)
             print(f"[{i + 1}/{len(cells)}] n={world} {r['method']:<13} lr x{r['lr_mult']:<4g} {r['steps']:>5} steps"
                   f" freeze {r['freeze']:<4} seed {r['seed']}: {r['score']:.3f} ({r['seconds']:.0f} s)", flush=True)

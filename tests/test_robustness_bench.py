@@ -104,6 +104,15 @@ def test_one_bit_lamb_keeps_lambs_progress_where_training_needs_its_lr(tmp_path)
     assert scores["lamb"] - scores["onebit_lamb"] < 2.5, scores
 
 
+def test_a_rank_that_fails_stops_the_grid_instead_of_hanging():
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "robustness.py"), "--task", "teacher", "--steps", "2", "--lr-mults", "1",
+         "--world-sizes", "2", "--methods", "onebit_lamb", "--no-baselines", "--optim-args", '{"no_such_option": 1}'],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "no_such_option" in proc.stderr and "exited with 1 before the grid was done" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_bad_grids_are_refused_before_anything_runs():
     with pytest.raises(SystemExit):
         rb.main(["--task", "bow", "--world-sizes", "3"])  # 3 does not divide the global batch
