@@ -224,8 +224,9 @@ def _optimizer_params(conv: Conversion, params: dict) -> None:
     bias = params.get("bias_correction", defaults["bias_correction"])
     if name == "OneBitLamb":
         if "bias_correction" in params:
-            conv.note("bias_correction", f"bias_correction {_arg_text(bias)}: ignored: neither DeepSpeed's 1-bit LAMB"
-                                         " nor hf_onebit's applies bias correction")
+            conv.note("bias_correction", f"bias_correction {_arg_text(bias)}: ignored: DeepSpeed's 1-bit LAMB never"
+                                         " applied bias correction, nor does defaults=\"paper\" (the library's"
+                                         " default is True)")
     else:
         kw["bias_correction"] = False
         said = "not given (DeepSpeed's default true)" if "bias_correction" not in params else _arg_text(bias)
@@ -239,7 +240,8 @@ def _optimizer_params(conv: Conversion, params: dict) -> None:
               "defaults=\"paper\": the papers' values of the arguments left out, which are DeepSpeed's: warmup_bits=None"
               f" (the {'variance steps exchange' if name == 'ZeroOneAdam' else 'warmup exchanges'} the gradient at full"
               " precision, as DeepSpeed did; the library's 8 sends 4x fewer bytes), update_clip=None (the library's"
-              " 1.0 bounds every coordinate's step at lr once the variance is frozen), scale_per_tensor=False and"
+              f" {LIBRARY[name]['update_clip']} bounds every coordinate's step at {LIBRARY[name]['update_clip']}·lr once"
+              " the variance is frozen), scale_per_tensor=False and"
               " scale_block=None (one compression scale per rank's chunk of a DDP bucket; the library's keep one"
               " per block of 256 elements of each tensor)"
               + (", var_update_scaler=16 and clip_synced_momentum=True (the library's None and False)"
@@ -385,7 +387,7 @@ def _training_loop(conv: Conversion, config: dict) -> None:
                       f"gradient_clipping {clip:g} -> --max_grad_norm 0: {NO_CLIPPING[conv.optim]} (DeepSpeed clipped"
                       " the gradient, which hf_onebit never holds after the freeze). --max_grad_norm"
                       f" {clip:g} clips that momentum anyway; in your own loop do not clip. The library's"
-                      " update_clip=1.0 bounds each coordinate's step instead.")
+                      f" update_clip={LIBRARY[conv.cls_name]['update_clip']} bounds each coordinate's step instead.")
 
     # batch sizes: a per-process batch and accumulation, as DeepSpeed's
     total, micro, accum = (None if config.get(k, "auto") == "auto" else _number(config[k], k, int) for k in _BATCH)

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 from hf_onebit.integrations.deepspeed_config import Conversion, ConversionError, convert, load, shell_word
+from hf_onebit.optim.defaults import LIBRARY
 
 USAGE = "usage: hf-onebit from-deepspeed DS_CONFIG.json"
 WIDTH = 100  # the printed lines: commands wrapped where bash and Python allow, notes as paragraphs
@@ -40,7 +41,7 @@ def _shell_lines(args: list[str]) -> str:
 
 def report(conv: Conversion, path: str) -> str:
     """What the command prints."""
-    bias = "" if conv.cls_name == "OneBitLamb" else ", bias correction"
+    clip = LIBRARY[conv.cls_name]["update_clip"]
     return "\n".join([
         f"{path}: DeepSpeed {conv.deepspeed_type} -> hf_onebit.{conv.cls_name}, reproducing DeepSpeed's behaviour",
         "",
@@ -53,8 +54,8 @@ def report(conv: Conversion, path: str) -> str:
         "Differences from DeepSpeed, key by key:",
         *(_fill(text, "  - ", "    ") for _, text in conv.notes),
         "",
-        _fill("Or hf_onebit's library defaults (automatic freeze, 8-bit warmup, update_clip=1.0, one scale per"
-              f" block of 256 elements of each tensor{bias}), with DeepSpeed's hyperparameters:"),
+        _fill(f"Or hf_onebit's library defaults (automatic freeze, 8-bit warmup, update_clip={clip}, one scale per"
+              " block of 256 elements of each tensor, bias correction), with DeepSpeed's hyperparameters:"),
         f"  {_shell_lines(conv.launcher_args(library=True))}",
         _fill(conv.constructor_call(library=True), "  ", "      "),
     ])
