@@ -519,7 +519,7 @@ def test_default_zeroone_adam_does_not_diverge_on_a_short_finetuning_run(tmp_pat
     (tests/optim/test_freeze.py). One process: the hazard is in the update size, not in the
     compression, and one process costs half the time."""
     args = ["--optim", "zeroone_adam", "--var_freeze_step", "12", "--max_steps", "60",
-            "--per_device_train_batch_size", "32", "--max_eval_samples", "400", "--use_cpu",
+            "--per_device_train_batch_size", "16", "--max_eval_samples", "400", "--use_cpu",
             "--data_cache_dir", tmp_path / "cache", "--logging_steps", "20", "--output_dir", tmp_path / "default"]
     default = run_in_process(args)["eval"]["validation"]
     assert default["accuracy"] >= 0.68 and default["loss"] < 0.62, default
