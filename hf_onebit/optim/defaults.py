@@ -32,7 +32,10 @@ argument                    library default
 ``warmup_bits``             ``8``: the warmup (0/1 Adam: its variance steps) exchanges the gradient
                             at 8 bits with error feedback (``docs/algorithms.md``, "Exchanges")
                             instead of 32, so the warmup, which the automatic freeze keeps long,
-                            sends 4x fewer bytes. Where 0/1 Adam has 1-bit gradient steps between
+                            sends 4x fewer bytes. Its rounding costs a small LM trained from
+                            scratch at 4x the advised lr 3-4% of held-out loss (1-bit Adam, 0/1
+                            Adam), which a full-precision warmup (``None``) does not lose
+                            (``docs/results.md``). Where 0/1 Adam has 1-bit gradient steps between
                             its variance steps (a ``var_update_scaler``), the variance steps keep
                             error buffers apart from theirs: a shared pair would hand the 8-bit
                             gradient the variance is built from the 1-bit steps' far larger
