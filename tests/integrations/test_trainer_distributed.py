@@ -3,19 +3,23 @@
 For each --optim name: run A trains 24 steps (gradient accumulation 2, 3 DDP buckets, a
 checkpoint at step 12); run B resumes from A's checkpoint-12 in a fresh output directory.
 Checked: the loss falls, the logs carry the compression figures, the hook fires once per bucket
-per optimizer step, and B ends with parameters bitwise equal to A's on every rank. All eight runs
+per optimizer step, and B ends with parameters bitwise equal to A's on every rank. A last run
+reports to TensorBoard, whose event file must hold the onebit/* figures as scalars. All the runs
 share one launch (the script's cases file), which pays the processes' start-up once.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 from collections import Counter
 
 import pytest
 import torch
 
-from tests.integrations.launch import SCRIPTS, accelerate_launch
+from tests.integrations.launch import SCRIPTS, accelerate_launch, base_env
+from tests.requirements import require
 
 COMMON = [
     "--max_steps", "24", "--save_steps", "12", "--per_device_train_batch_size", "8",
@@ -57,15 +61,27 @@ def _args(tmp, name, run, resume=None):
     return args + (["--resume", str(resume)] if resume else [])
 
 
+# and the run that reports to TensorBoard (the last test reads its event file): the automatic freeze, 20 steps
+TENSORBOARD_RUN = ["--optim", "onebit_adam", "--max_steps", "20", "--logging_steps", "2",
+                   "--per_device_train_batch_size", "8", "--bucket_kb", "24", "--save_strategy", "no",
+                   "--disable_tqdm", "true", "--report_to", "tensorboard"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every optimizer's run A, then every run B resumed from A's checkpoint-12, in one launch."""
+    """Every optimizer's run A, then every run B resumed from A's checkpoint-12, then the
+    TensorBoard run, in one launch; returns the folder and each run's console output (rank 0's)."""
     tmp = tmp_path_factory.mktemp("trainer")
     cases = [_args(tmp, name, "A") for name in CASES]
     cases += [_args(tmp, name, "B", resume=tmp / name / "A" / "checkpoint-12") for name in CASES]
+    if importlib.util.find_spec("tensorboard"):  # else its test skips (and fails under CI)
+        cases.append(["--output_dir", str(tmp / "tensorboard_out"), *TENSORBOARD_RUN])
     (tmp / "cases.json").write_text(json.dumps(cases))
-    accelerate_launch([str(SCRIPTS / "onebit_train.py"), str(tmp / "cases.json")], timeout=600).check()
-    return tmp
+    env = {**base_env(), "TENSORBOARD_LOGGING_DIR": str(tmp / "tb")}  # where transformers' callback writes
+    res = accelerate_launch([str(SCRIPTS / "onebit_train.py"), str(tmp / "cases.json")], env=env, timeout=600).check()
+    outputs = re.split(r"^onebit_train: run \d+$", res.output, flags=re.M)[1:]
+    assert len(outputs) == len(cases), res.output[-3000:]
+    return tmp, outputs
 
 
 def _results(tmp, name, run):
@@ -74,6 +90,7 @@ def _results(tmp, name, run):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_processes_train_log_and_resume_bitwise(runs, name):
+    runs, _ = runs
     a, b = _results(runs, name, "A"), _results(runs, name, "B")
     checkpoint = runs / name / "A" / "checkpoint-12"
     assert sorted(p.name for p in (checkpoint / "hf_onebit").iterdir()) == ["hf_onebit_rank0_of2.json", "hf_onebit_rank0_of2.pt", "hf_onebit_rank1_of2.json", "hf_onebit_rank1_of2.pt"]
@@ -144,3 +161,59 @@ def test_two_processes_train_log_and_resume_bitwise(runs, name):
         assert logs[0]["grad_norm"] == pytest.approx(expected, rel=1e-4), (
             "the gradient must be the plain mean over the global batch (not multiplied by accumulation x processes)"
         )
+
+
+#: the keys every training log carries once something was sent (see hf_onebit.integrations.logs)
+NUMERIC = ("phase", "bytes_per_step", "bytes_sent", "compression_ratio", "ratio_vs_ddp",
+           "comm_ms", "compress_ms", "exchange_ms", "exchange_wait_ms", "hidden_share")
+TIME = ("comm_ms", "exchange_wait_ms", "hidden_share")
+
+
+def test_tensorboard_event_file_holds_numeric_onebit_scalars_time_among_them(runs):
+    """The onebit/* figures reach TensorBoard through transformers' own TensorBoardCallback, as
+    scalars: the event file rank 0 wrote, read back with TensorBoard's EventAccumulator. On the
+    console: the step the automatic freeze chose, the phase change and the end-of-training summary
+    are printed once (hf_onebit logs them at INFO, which the integration lets through by default),
+    and the logged phase turns from 0 to 1 after that step."""
+    require("tensorboard", "the event-file test reads TensorBoard's files (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, outputs = runs
+    tb, output = tmp / "tb", outputs[-1]
+    files = list(tb.glob("events.out.tfevents.*"))
+    assert len(files) == 1, f"rank 0 alone writes one event file: {files}"
+    events = EventAccumulator(str(tb), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    tags = events.Tags()
+    scalars = {t for t in tags["scalars"] if t.startswith("train/onebit/")}  # transformers prefixes train/
+    assert {f"train/onebit/{k}" for k in NUMERIC} <= scalars, sorted(scalars)
+    # strings become text entries (tensors of the text plugin): the Trainer's "args" is one (args/text_summary), no onebit key is
+    assert "args/text_summary" in tags["tensors"]
+    assert not [t for t in tags["tensors"] if "onebit" in t], tags["tensors"]
+
+    def series(key):
+        return {e.step: e.value for e in events.Scalars(f"train/onebit/{key}")}
+
+    # the console names the step the automatic freeze chose (once, rank 0): the warmup's last step
+    chosen = re.findall(r"auto freeze chose step (\d+)", output)
+    assert len(chosen) == 1, output[-3000:]
+    freeze = int(chosen[0])
+    logged = list(range(2, 21, 2))
+    phase = series("phase")
+    assert sorted(phase) == logged
+    assert all(phase[s] == (0 if s <= freeze else 1) for s in logged), (freeze, phase)  # 0 warmup, 1 compression
+    assert 1 in phase.values()
+    per_step = series("bytes_per_step")
+    assert per_step[20] < per_step[2] / 4  # 1-bit against the 8-bit warmup
+    for step in logged:
+        comm, wait, hidden = (series(k)[step] for k in TIME)
+        assert comm > 0 and 0 <= wait and 0 <= hidden <= 1, (step, comm, wait, hidden)
+        # the exchange marks its stages (comm/compressed.py): kernels and collectives are parts of the jobs' time
+        compress, exchange = series("compress_ms")[step], series("exchange_ms")[step]
+        assert compress > 0 and exchange > 0 and compress + exchange <= comm * 1.001, (step, compress, exchange, comm)
+
+    # the console: the phase change and the summary, once each (rank 0)
+    assert output.count(f"step {freeze} done, entering phase 'compression'") == 1, output[-3000:]
+    summary = [line for line in output.splitlines() if line.startswith("hf_onebit OneBitAdam on 2 ranks, 20 steps")]
+    assert len(summary) == 1, output[-3000:]
+    assert "where fp32 DDP sends" in summary[0] and "communication ran" in summary[0] and "s of communication time" in summary[0]

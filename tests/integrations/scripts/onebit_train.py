@@ -150,7 +150,9 @@ def train(argv: list[str]) -> None:
 def main():
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         with open(sys.argv[1]) as f:
-            for argv in json.load(f):
+            for i, argv in enumerate(json.load(f)):
+                if int(os.environ.get("RANK", "0")) == 0:  # where each run's console output starts
+                    print(f"onebit_train: run {i}", flush=True)
                 with command_line(argv):  # what each run gives counts as given, not the cases file
                     train(argv)
     else:
