@@ -90,9 +90,9 @@ def _results(tmp, name, run):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_processes_train_log_and_resume_bitwise(runs, name):
-    runs, _ = runs
-    a, b = _results(runs, name, "A"), _results(runs, name, "B")
-    checkpoint = runs / name / "A" / "checkpoint-12"
+    tmp, _ = runs
+    a, b = _results(tmp, name, "A"), _results(tmp, name, "B")
+    checkpoint = tmp / name / "A" / "checkpoint-12"
     assert sorted(p.name for p in (checkpoint / "hf_onebit").iterdir()) == ["hf_onebit_rank0_of2.json", "hf_onebit_rank0_of2.pt", "hf_onebit_rank1_of2.json", "hf_onebit_rank1_of2.pt"]
 
     for rank in range(2):

@@ -110,11 +110,23 @@ class GradCheckTrainer(hf_onebit.OneBitTrainer):
         return float(flat.norm())
 
 
-def train(argv: list[str]) -> None:
+def each_run(cases: list, argv_of=lambda case: case):
+    """Each case of a cases file, in turn in the same processes: Accelerate's state reset before it
+    (a run may ask for another mixed precision; the process group stays), its own arguments
+    (``argv_of(case)``) counted as the command line the user gave, not the cases file, and a
+    marker line on rank 0 where its console output starts."""
     from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state()  # a run may ask for another mixed precision; the process group stays
-    GradientState._reset_state()
+    for i, case in enumerate(cases):
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"onebit_train: run {i}", flush=True)
+        with command_line(argv_of(case)):
+            yield case
+
+
+def train(argv: list[str]) -> None:
     parser = HfArgumentParser((TaskArguments, hf_onebit.OneBitTrainingArguments))
     task, args = parser.parse_args_into_dataclasses(args=argv)
     torch.manual_seed(0)
@@ -150,11 +162,8 @@ def train(argv: list[str]) -> None:
 def main():
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         with open(sys.argv[1]) as f:
-            for i, argv in enumerate(json.load(f)):
-                if int(os.environ.get("RANK", "0")) == 0:  # where each run's console output starts
-                    print(f"onebit_train: run {i}", flush=True)
-                with command_line(argv):  # what each run gives counts as given, not the cases file
-                    train(argv)
+            for argv in each_run(json.load(f)):
+                train(argv)
     else:
         train(sys.argv[1:])
 

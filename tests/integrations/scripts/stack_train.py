@@ -33,10 +33,9 @@ from transformers import (
     TrainingArguments,
 )
 
-from onebit_train import Synthetic  # the same tiny task (this script's folder is on sys.path)
+from onebit_train import Synthetic, each_run  # the same tiny task and case loop (this script's folder is on sys.path)
 
 from hf_onebit.integrations.accelerate import unwrap_optimizer
-from hf_onebit.integrations.defaults import command_line
 from hf_onebit.optim import OneBitOptimizer
 
 
@@ -81,10 +80,6 @@ def build_model(lora: bool):
 
 
 def run_case(case: dict, result_dir: str) -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state()  # a new Trainer may ask for another mixed precision; the process group stays
-    GradientState._reset_state()
     torch._dynamo.config.optimize_ddp = "python_reducer" if case.get("python_reducer") else True
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=case["args"])
     model = build_model(case.get("lora", False))
@@ -132,9 +127,8 @@ def main():
     with open(cases_file) as f:
         cases = json.load(f)
     os.makedirs(result_dir, exist_ok=True)
-    for case in cases:
-        with command_line(case["args"]):  # what the case gives counts as given, not the cases file
-            run_case(case, result_dir)
+    for case in each_run(cases, lambda case: case["args"]):
+        run_case(case, result_dir)
 
 
 if __name__ == "__main__":
