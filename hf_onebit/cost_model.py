@@ -57,7 +57,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 
-from hf_onebit.comm.compressed import padded_length, piece_bounds
+from hf_onebit.comm.pieces import padded_length, piece_bounds, width_block
 from hf_onebit.comm.hierarchical import shard_piece_sizes
 from hf_onebit.comm.stats import allreduce_bytes
 from hf_onebit.optim.defaults import LIBRARY
@@ -182,12 +182,13 @@ def chunk_scales(numel: int, n: int, tensor_sizes=None, tensors: int | None = No
 
 def compressed(numel: int, lay: Layout, width: int = 1, tensor_sizes=None, tensors: int | None = None,
                block: int | None = SCALE_BLOCK) -> Traffic:
-    """The 1-bit (``width`` 1) or b-bit exchange of ``numel`` elements among all ranks."""
+    """The 1-bit (``width`` 1) or b-bit exchange of ``numel`` elements among all ranks (``block``:
+    the 1-bit calls' scale block; a b-bit call's is ``width`` times shorter)."""
     n = lay.ranks
     if n == 1:
         return Traffic()
     C = padded_length(int(numel), n) // n
-    s_max = chunk_scales(numel, n, tensor_sizes, tensors, block)
+    s_max = chunk_scales(numel, n, tensor_sizes, tensors, width_block(block, width))
     if tensor_sizes is None and not tensors:  # one scale per rank and chunk: all-gathered in round 1
         scales, codes, payload = (n - 1) * 4, (n - 1) * (C * width // 8), (n - 1) * (4 + C * width // 8)
     else:  # a finiteness flag, then each chunk's piece scales beside its codes

@@ -272,8 +272,10 @@ class WarmupExchange:
             for other in [k for k in self.by_key if set(k) & set(key)]:
                 del self.by_key[other]
             sizes = [self.sizes[k] for k in key]
+            # b bits: blocks b times shorter than the 1-bit exchange's (at least 8 elements)
+            block = None if self.block is None else max(8, self.block // self.bits // 8 * 8)
             self.by_key[key] = QuantizedSpecSimulation(sum(sizes), self.n, self.bits,
-                                                       scale_pieces(sizes, self.per_tensor, self.block))
+                                                       scale_pieces(sizes, self.per_tensor, block))
         return self.by_key[key]
 
     def __call__(self, t, grads):  # grads[rank][param] -> averaged [param]

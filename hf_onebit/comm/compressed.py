@@ -61,6 +61,9 @@ in place of ``RMS·sign⁺``; codes of ``b`` bits travel where signs did (the la
     round 3  all-gather   [t of chunk j's pieces | codes]                 4·P_max + b·C/8 bytes
              result = concat_j t_j·q_j
 
+Its blocks are ``b`` times shorter than the 1-bit calls' (:mod:`hf_onebit.comm.pieces`): the
+pieces, and so ``P_max``, depend on the width, and each width keeps its own layout.
+
 It serves the exchanges that the papers make at full precision (the warmups), where Adam's
 variance needs the gradient's magnitudes, which 1 bit does not carry. By default the error
 buffers are the 1-bit exchange's own: one segment keeps one pair, whatever the width of a call,
@@ -89,10 +92,11 @@ import torch.distributed as dist
 
 from hf_onebit.comm.compat import all_gather_into_tensor
 from hf_onebit.comm.executor import executor_for
+from hf_onebit.comm.pieces import Pieces, padded_length, piece_bounds, width_pieces
 from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, leaving_node, stage
 from hf_onebit.comm.topology import ranks_on_my_node
 from hf_onebit.kernels import get_backend, load_backend
-from hf_onebit.kernels.contract import WIDTHS, Bounds
+from hf_onebit.kernels.contract import WIDTHS
 
 logger = logging.getLogger(__name__)
 
@@ -102,46 +106,6 @@ def _describe(sizes) -> str:
         return "one scale per chunk (piece_sizes=None)"
     more = "..." if len(sizes) > 8 else ""
     return f"one scale per tensor (piece_sizes={list(sizes)[:8]}{more})"
-
-
-def padded_length(numel: int, world_size: int) -> int:
-    """Smallest multiple of ``8 * world_size`` that holds ``numel`` elements."""
-    unit = 8 * world_size
-    return -(-numel // unit) * unit
-
-
-def scale_pieces(numel: int, piece_sizes, scale_block: int | None) -> tuple[int, ...] | None:
-    """The pieces that get a scale each: ``piece_sizes`` (default: the whole buffer) cut into
-    blocks of at most ``scale_block`` elements, in order (a piece that is not a multiple of the
-    block ends with the remainder); ``piece_sizes`` as given when ``scale_block`` is ``None``."""
-    if piece_sizes is not None:
-        piece_sizes = tuple(int(v) for v in piece_sizes)
-        if sum(piece_sizes) != numel:
-            raise ValueError(f"piece_sizes sum to {sum(piece_sizes)}, the buffer has {numel} elements")
-    if scale_block is None:
-        return piece_sizes
-    out: list[int] = []
-    for size in piece_sizes or (numel,):
-        out += [scale_block] * (size // scale_block) + ([size % scale_block] if size % scale_block else [])
-    return tuple(out)
-
-
-def piece_bounds(piece_sizes, padded_numel: int, world_size: int) -> list[int]:
-    """Piece boundaries (element offsets, ``0 .. padded_numel``) for tensors of ``piece_sizes``.
-
-    The tensor boundaries rounded down to a multiple of 8, united with the ``world_size``
-    chunk boundaries; empty pieces are dropped. See the module docstring.
-    """
-    sizes = [int(v) for v in piece_sizes]
-    if any(v < 0 for v in sizes):
-        raise ValueError("piece_sizes must be non-negative")
-    chunk = padded_numel // world_size
-    cuts = {j * chunk for j in range(world_size + 1)}
-    offset = 0
-    for size in sizes[:-1]:
-        offset += size
-        cuts.add(min(offset // 8 * 8, padded_numel))
-    return sorted(cuts)
 
 
 class _Codec:
@@ -230,8 +194,10 @@ class CompressedAllReduce:
             element while they live), for callers whose b-bit and 1-bit calls alternate (see the
             module docstring). Default ``False``: one pair for every width.
         scale_block: cut every piece (or, without ``piece_sizes``, the buffer) into blocks of at
-            most this many elements, each with its own scale (:func:`scale_pieces`). Default
-            ``None``: no cutting.
+            most this many elements, each with its own scale; the b-bit calls cut blocks ``width``
+            times shorter (:mod:`hf_onebit.comm.pieces`). Default ``None``: no cutting.
+        pieces_at: in place of ``piece_sizes`` and ``scale_block``, the pieces of the calls at
+            each width (``pieces_at(width)``; the exchange by node gives its shard's).
     """
 
     def __init__(
@@ -245,6 +211,7 @@ class CompressedAllReduce:
         piece_sizes=None,
         separate_coded_errors: bool = False,
         scale_block: int | None = None,
+        pieces_at=None,
     ) -> None:
         self.numel = int(numel)
         self.deferred_commit = deferred_commit
@@ -268,10 +235,14 @@ class CompressedAllReduce:
                                     self.device, deferred_commit)
         #: the b-bit calls' own pair (``separate_coded_errors``), made on the first such call
         self.coded_errors: ErrorFeedback | None = None
-        self.piece_sizes = scale_pieces(self.numel, piece_sizes, scale_block)
-        self._bounds: Bounds | None = None
-        if self.piece_sizes is not None and n > 1 and self.padded_numel > 0:
-            self._setup_pieces(piece_bounds(self.piece_sizes, self.padded_numel, n))
+        if pieces_at is None:
+            pieces_at = functools.partial(width_pieces, self.numel, piece_sizes, scale_block)
+        self._pieces_of = pieces_at
+        #: the pieces of the 1-bit calls (``None``: one scale per chunk)
+        self.piece_sizes = pieces_at(1)
+        self._layouts: dict[int, Pieces | None] = {}
+        self._layout(1)  # the other widths' on their first call
+        self._finite_flags = torch.empty(n, dtype=torch.float32, device=self.device)
         #: work buffers by width, made on a width's first call (see :meth:`reset`)
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -293,26 +264,14 @@ class CompressedAllReduce:
             self.coded_errors = ErrorFeedback(self.padded_numel, self.chunk, self.device, self.deferred_commit)
         return self.coded_errors
 
-    def _setup_pieces(self, bounds: list[int]) -> None:
-        """Static piece layout (the work buffers come per width, :meth:`_work_buffers`)."""
-        n, C = self.world_size, self.chunk
-        # Bounds own the backend's tables for this layout (built on first use, kept while this
-        # all-reduce lives: nothing is rebuilt per call, whatever the number of segments).
-        self._bounds = bounds = Bounds(bounds)
-        self.num_pieces = P = len(bounds) - 1
-        # Pieces [first[j], first[j + 1]) lie in chunk j (chunk boundaries are bounds).
-        first = [bounds.index(j * C) for j in range(n)] + [P]
-        self._chunk_pieces = [(first[j], first[j + 1]) for j in range(n)]
-        self.max_chunk_pieces = max(hi - lo for lo, hi in self._chunk_pieces)
-        lo, hi = self._chunk_pieces[self.rank]
-        self._local_bounds = Bounds(b - self.rank * C for b in bounds[lo : hi + 1])
-        # Where piece p's scale sits in a row-per-chunk (n, P_max) table: the worker scales sent
-        # in round 2, the server scales gathered in round 3.
-        self._gather_index = torch.tensor(
-            [j * self.max_chunk_pieces + q for j, (a, b) in enumerate(self._chunk_pieces) for q in range(b - a)],
-            dtype=torch.int64, device=self.device,
-        )
-        self._finite_flags = torch.empty(n, dtype=torch.float32, device=self.device)
+    def _layout(self, width: int) -> Pieces | None:
+        """The pieces of the calls at ``width`` bits (``None``: one scale per chunk), made once."""
+        if width not in self._layouts:
+            sizes = self._pieces_of(width)
+            n = self.world_size
+            self._layouts[width] = (None if sizes is None or n == 1 or self.padded_numel == 0 else
+                                    Pieces(piece_bounds(sizes, self.padded_numel, n), n, self.rank, self.device))
+        return self._layouts[width]
 
     # ------------------------------------------------------------------ the algorithm
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *, width: int = 1) -> torch.Tensor:
@@ -338,8 +297,9 @@ class CompressedAllReduce:
         # with deferred commits, spare copies; commit() makes them current
         worker_error, server_error = self._errors_for(width).for_call()
 
-        if self._bounds is not None:
-            self._call_pieces(x, out, worker_error, server_error, width)
+        pieces = self._layout(width)
+        if pieces is not None:
+            self._call_pieces(x, out, worker_error, server_error, width, pieces)
         else:
             self._call_chunks(x, out, worker_error, server_error, width)
         self.stats.record(self.bytes_per_call(width))
@@ -353,7 +313,8 @@ class CompressedAllReduce:
         bufs = self._buffers.get(width)
         if bufs is None:
             n, C = self.world_size, self.chunk
-            scales_per_row = self.max_chunk_pieces if self._bounds is not None else 1
+            pieces = self._layout(width)
+            scales_per_row = pieces.most_in_a_chunk if pieces is not None else 1
             u8 = dict(dtype=torch.uint8, device=self.device)
             row = 4 * scales_per_row + C * width // 8
             bufs = self._buffers[width] = dict(
@@ -364,7 +325,7 @@ class CompressedAllReduce:
                 gathered=torch.empty(n, row, **u8),
                 gathered_scales=torch.empty(n, 4 * scales_per_row, **u8),
             )
-            if self._bounds is not None:
+            if pieces is not None:
                 bufs.update(send=torch.zeros(n, row, **u8), recv=torch.empty(n, row, **u8))
             else:
                 bufs.update(recv=torch.empty(self.padded_numel * width // 8, **u8))
@@ -402,13 +363,13 @@ class CompressedAllReduce:
             bufs["received"].copy_(rows[:, 4:])
             k.unpack_scaled(bufs["received"], bufs["gathered_scales"].view(torch.float32).reshape(n), out.view(-1))
 
-    def _call_pieces(self, x, out, worker_error, server_error, width: int) -> None:
+    def _call_pieces(self, x, out, worker_error, server_error, width: int, pieces: Pieces) -> None:
         """The three rounds with one scale per piece, at ``width`` bits (see the module docstring)."""
-        n, group, P = self.world_size, self.group, self.num_pieces
-        bounds, local = self._bounds, self._local_bounds
+        n, group, P = self.world_size, self.group, pieces.count
+        bounds, local = pieces.bounds, pieces.local_bounds
         k = _codec(self.kernels, width)
         bufs = self._work_buffers(width)
-        head = 4 * self.max_chunk_pieces
+        head = 4 * pieces.most_in_a_chunk
 
         # Round 1: whether every rank's scales are finite. One non-finite scale anywhere poisons
         # them all (a device op, no host sync), so no error buffer changes on any rank and the
@@ -421,7 +382,7 @@ class CompressedAllReduce:
         with stage("pack"):
             own = torch.where(self._finite_flags.bool().all(), own, torch.full_like(own, float("nan")))
             k.worker_pack(x, worker_error, own.view(1, P), 0, bufs["codes"], bounds=bounds)
-            bufs["scales"][self._gather_index] = own  # chunk j's piece scales in row j
+            bufs["scales"][pieces.gather_index] = own  # chunk j's piece scales in row j
             send = bufs["send"]
             send[:, :head].copy_(bufs["scales"].view(torch.uint8).view(n, head))
             send[:, head:].copy_(bufs["codes"].view(n, -1))
@@ -430,7 +391,7 @@ class CompressedAllReduce:
         with stage("exchange"):
             dist.all_to_all_single(bufs["recv"], send, group=group)
         with stage("pack"):
-            lo, hi = self._chunk_pieces[self.rank]
+            lo, hi = pieces.by_chunk[self.rank]
             recv = bufs["received"]
             recv.copy_(bufs["recv"][:, head:])
             chunk_scales = bufs["recv"][:, :head].contiguous().view(torch.float32)[:, : hi - lo].contiguous()
@@ -446,7 +407,7 @@ class CompressedAllReduce:
             rows = bufs["gathered"]
             bufs["gathered_scales"].copy_(rows[:, :head])
             recv.copy_(rows[:, head:])
-            server_scales = bufs["gathered_scales"].view(torch.float32).reshape(-1)[self._gather_index]
+            server_scales = bufs["gathered_scales"].view(torch.float32).reshape(-1)[pieces.gather_index]
             k.unpack_scaled(recv, server_scales, out.view(-1), bounds=bounds)
 
     def bytes_per_call(self, width: int = 1) -> CommRecord:
@@ -456,8 +417,9 @@ class CompressedAllReduce:
         if n == 1:
             return CommRecord(calls=1)
         codes = self.chunk * width // 8
-        if self._bounds is not None:  # round 1 a finiteness flag; the worker scales ride in round 2
-            head = 4 * self.max_chunk_pieces
+        pieces = self._layout(width)
+        if pieces is not None:  # round 1 a finiteness flag; the worker scales ride in round 2
+            head = 4 * pieces.most_in_a_chunk
             scales, signs, payload = (n - 1) * 4, (n - 1) * (head + codes), (n - 1) * (head + codes)
         else:
             scales, signs, payload = (n - 1) * 4, (n - 1) * codes, (n - 1) * (4 + codes)

@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from hf_onebit.comm.allreduce import finite_flag
 from hf_onebit.comm.compat import all_gather_into_tensor
-from hf_onebit.comm.compressed import CompressedAllReduce, scale_pieces
+from hf_onebit.comm.compressed import CompressedAllReduce
+from hf_onebit.comm.pieces import scale_pieces, width_block
 from hf_onebit.comm.executor import executor_for
 from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, leaving_node
 from hf_onebit.comm.topology import NodeTopology
@@ -82,7 +83,7 @@ class HierarchicalCompressedAllReduce:
             as ``inter_node_sent``).
         piece_sizes, scale_block: the sizes of the tensors concatenated in the buffer and the
             block they are cut into: one scale per piece of each shard (the whole buffer's blocks
-            cut again at the shard's bounds), as in the flat exchange.
+            cut again at the shard's bounds), as in the flat exchange, b-bit calls' blocks too.
     """
 
     def __init__(self, numel: int, device: torch.device | str, nodes: NodeTopology,
@@ -101,10 +102,13 @@ class HierarchicalCompressedAllReduce:
         self.shard = -(-self.numel // k)  # S
         lo = nodes.local_rank * self.shard
         self.piece_sizes = scale_pieces(self.numel, piece_sizes, scale_block)
-        inner_pieces = None if self.piece_sizes is None else shard_piece_sizes(self.piece_sizes, lo, self.shard)
+
+        def inner_pieces(width: int):  # the whole buffer's pieces at this width, cut to the shard
+            whole = scale_pieces(self.numel, piece_sizes, width_block(scale_block, width))
+            return None if whole is None else shard_piece_sizes(whole, lo, self.shard)
         # the 1-bit exchange of this rank's shard among the M nodes (its bytes are counted here)
         self.inner = CompressedAllReduce(self.shard, self.device, group=nodes.inter_group, kernels=kernels,
-                                         stats=CommStats(), deferred_commit=deferred_commit, piece_sizes=inner_pieces,
+                                         stats=CommStats(), deferred_commit=deferred_commit, pieces_at=inner_pieces,
                                          separate_coded_errors=separate_coded_errors)
         f32 = dict(dtype=torch.float32, device=self.device)
         self._rows = torch.zeros(k, self.shard + 1, **f32)  # [shard l | flag slot] per local rank

@@ -239,7 +239,7 @@ def _optimizer_params(conv: Conversion, params: dict) -> None:
     conv.note("defaults",
               "defaults=\"paper\": the papers' values of the arguments left out, which are DeepSpeed's: warmup_bits=None"
               f" (the {'variance steps exchange' if name == 'ZeroOneAdam' else 'warmup exchanges'} the gradient at full"
-              " precision, as DeepSpeed did; the library's 8 sends 4x fewer bytes), update_clip=None (the library's"
+              " precision, as DeepSpeed did; the library's 8 sends 3.6x fewer bytes), update_clip=None (the library's"
               f" {LIBRARY[name]['update_clip']} bounds every coordinate's step at {LIBRARY[name]['update_clip']}·lr once"
               " the variance is frozen), scale_per_tensor=False and"
               " scale_block=None (one compression scale per rank's chunk of a DDP bucket; the library's keep one"

@@ -26,16 +26,18 @@ argument                    library default
                             round to zero for several steps and then arrive in bursts, which
                             inflate Adam's variance and slow them by about the square root of the
                             burst length: fine-tuning stalled in a run of a few dozen steps.
-                            Costs 4 bytes of scale per 256 elements.
+                            Costs 4 bytes of scale per 256 elements; the b-bit warmup's blocks
+                            are ``b`` times shorter (32 elements at 8 bits), the same share of
+                            its bytes (:func:`hf_onebit.comm.pieces.width_block`).
 ``update_clip``             ``1.0``: no coordinate's adaptive step exceeds ``lr`` where the variance
                             is stale (after the freeze), so an early freeze cannot blow up a step.
 ``warmup_bits``             ``8``: the warmup (0/1 Adam: its variance steps) exchanges the gradient
                             at 8 bits with error feedback (``docs/algorithms.md``, "Exchanges")
                             instead of 32, so the warmup, which the automatic freeze keeps long,
-                            sends 4x fewer bytes. Its rounding costs a small LM trained from
-                            scratch at 4x the advised lr 3-4% of held-out loss (1-bit Adam, 0/1
-                            Adam), which a full-precision warmup (``None``) does not lose
-                            (``docs/results.md``). Where 0/1 Adam has 1-bit gradient steps between
+                            sends 3.6x fewer bytes. Its blocks are 8 times shorter than the
+                            1-bit phase's (``scale_block``): at 256 elements its rounding cost a
+                            small LM trained from scratch at 4x the advised lr 3-4% of held-out
+                            loss, at 32 about 1% (``docs/results.md``). Where 0/1 Adam has 1-bit gradient steps between
                             its variance steps (a ``var_update_scaler``), the variance steps keep
                             error buffers apart from theirs: a shared pair would hand the 8-bit
                             gradient the variance is built from the 1-bit steps' far larger

@@ -125,7 +125,7 @@ class AutoFreeze:
         for Gaussian gradients (45% at ``k`` = 10, 32% at 20), and every later step's size
         inherits it. 40% at most bounds the price of a late freeze: the whole run then sends
         ``1 / (f + (1 - f)/32)`` = 2.4x fewer bytes than an fp32 all-reduce at ``f`` = 40%, 4.4x
-        at 20% (full-precision warmup; 8-bit warmups send 4x fewer).
+        at 20% (full-precision warmup; 8-bit warmups send 3.6x fewer).
         """
         total = max(1, int(total_steps))
         hi = max(1, round(0.40 * total))

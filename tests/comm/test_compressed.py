@@ -226,7 +226,7 @@ def _piece_calls(rank, world_size, calls, kernels):
         "server_error": state.server_error.clone(),
         "record": state.bytes_per_call().as_dict(),
         "total": state.stats.snapshot().as_dict(),
-        "pieces": (state.num_pieces, state.max_chunk_pieces),
+        "pieces": (state._layout(1).count, state._layout(1).most_in_a_chunk),
         "saved": state.state_dict(),
     }
 
@@ -323,7 +323,7 @@ def test_scale_per_tensor_non_finite_and_state(world_size):
 
 
 def test_scale_per_tensor_layout():
-    from hf_onebit.comm.compressed import piece_bounds
+    from hf_onebit.comm.pieces import piece_bounds
 
     # boundaries 1003 -> 1000, 1016, 1016, 1219 -> 1216, 1224, ... united with the chunk cuts
     assert piece_bounds([1003, 13, 0, 203, 5], 1224 + 24, 2) == [0, 624, 1000, 1016, 1216, 1248]
@@ -381,7 +381,8 @@ def _triton_tables_steady_state(rank, world_size, segments, real_calls):
             for i, state in enumerate(states):
                 if i < real_calls:
                     state(torch.full((state.numel,), float(i + 1 + rank)))
-                for bounds, length in ((state._bounds, state.padded_numel), (state._local_bounds, state.chunk)):
+                pieces = state._layout(1)
+                for bounds, length in ((pieces.bounds, state.padded_numel), (pieces.local_bounds, state.chunk)):
                     triton_pieces._tables(bounds, length, DEFAULT_BLOCK, state.device)
             per_round.append(len(calls))
     finally:

@@ -9,15 +9,17 @@ import torch
 
 from tests.comm.test_compressed import make_input
 from tests.distributed import run_distributed
-from tests.simulation import PieceSpecSimulation, QuantizedSpecSimulation
+from tests.simulation import PieceSpecSimulation, QuantizedSpecSimulation, scale_pieces
 
 SIZES = [700, 9, 1300, 5]  # tensors of a bucket (scale per tensor), 2014 elements
+BLOCK = 256  # the 1-bit calls' scale block; a b-bit call's blocks are b times shorter
 
 
 def _quantized_calls(rank, world_size, numel, width, calls, kernels, pieces, poison_call=None):
     from hf_onebit.comm import CompressedAllReduce
 
-    state = CompressedAllReduce(numel, kernels=kernels, piece_sizes=SIZES if pieces else None)
+    state = CompressedAllReduce(numel, kernels=kernels, piece_sizes=SIZES if pieces else None,
+                                scale_block=BLOCK if pieces == "blocks" else None)
     results, errors = [], []
     for call in range(calls):
         x = make_input(call, rank, numel, torch.float32)
@@ -31,12 +33,13 @@ def _quantized_calls(rank, world_size, numel, width, calls, kernels, pieces, poi
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("width", [8, 4])
-@pytest.mark.parametrize("pieces", [False, True], ids=["one_scale", "scale_per_tensor"])
+@pytest.mark.parametrize("pieces", [False, True, "blocks"], ids=["one_scale", "scale_per_tensor", "blocks"])
 @pytest.mark.parametrize("kernels", ["reference", "cpu"])
 def test_matches_simulation_bitwise(world_size, width, pieces, kernels):
     numel, calls = sum(SIZES), 6
     outs = run_distributed(_quantized_calls, world_size, numel, width, calls, kernels, pieces, 3)
-    sim = QuantizedSpecSimulation(numel, world_size, width, SIZES if pieces else None)
+    sim_pieces = scale_pieces(SIZES, True, BLOCK // width if pieces == "blocks" else None) if pieces else None
+    sim = QuantizedSpecSimulation(numel, world_size, width, sim_pieces)
     for call in range(calls):
         xs = [make_input(call, r, numel, torch.float32).numpy() for r in range(world_size)]
         if call == 3:

@@ -113,11 +113,12 @@ def _check_trains(result, drop=0.1):
 
 
 def _check_compresses(result):
-    """1-bit Adam's warmup (8-bit gradients, ~4x fewer bytes than fp32), then 1-bit momentum."""
+    """1-bit Adam's warmup (8-bit gradients and a scale per 32 elements, ~3.6x fewer bytes than fp32),
+    then 1-bit momentum."""
     assert result["optimizer"] == "OneBitAdam"
     logs = [h for h in result["log_history"] if "loss" in h]
     assert logs[0]["onebit/phase"] == 0 and logs[-1]["onebit/phase"] == 1
-    assert logs[0]["onebit/compression_ratio"] == pytest.approx(4.0, rel=0.15)
+    assert logs[0]["onebit/compression_ratio"] == pytest.approx(32 / 9, rel=0.15)
     # 1 bit against 8 (LoRA's small buckets: 5.9x, a few bytes of scales per tensor)
     assert logs[-1]["onebit/bytes_per_step"] < logs[0]["onebit/bytes_per_step"] / 5
     assert logs[-1]["onebit/compression_ratio"] > 8

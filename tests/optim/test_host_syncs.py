@@ -47,7 +47,7 @@ CONVERSIONS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist"
 EXEMPT = {("kernels/cpu.py", "*", "*"), ("optim/vote_streams.py", "uniform_", "numpy")}
 
 #: One-time setup allowed on the first step of a phase (never in a steady step).
-ONE_TIME = {"optim/masks.py:freeze_masks", "comm/compressed.py:_setup_pieces", "kernels/reference.py:_weights",
+ONE_TIME = {"optim/masks.py:freeze_masks", "comm/pieces.py:__init__", "kernels/reference.py:_weights",
             "optim/guards.py:_pinned_flag"}
 
 #: The deliberate sync of ``check_finite_grads`` (one per step without a loss scaler).
