@@ -511,9 +511,11 @@ class CompressedAllReduce:
     def reset(self) -> None:
         """Zero both error buffers, where the exchanged signal changes meaning: 0/1 Adam entering
         its local-step phase, 1-bit Adam and 1-bit LAMB leaving a b-bit warmup. The b-bit work
-        buffers, and the b-bit calls' own errors where they have them, are freed too (every b-bit
+        buffers and piece layout, and the b-bit calls' own errors where they have them, are freed too (every b-bit
         exchange comes before such a reset; a later one makes them again, from zero)."""
         self.errors.zero()
         self.coded_errors = None
         for width in [w for w in self._buffers if w != 1]:
             del self._buffers[width]
+        for width in [w for w in self._layouts if w != 1]:
+            del self._layouts[width]
