@@ -370,7 +370,9 @@ def test_the_robustness_table_reprints_the_stored_grid():
              "minilm_60_tweets", "minilm_60_tweets_precondition", "minilm_60_tweets_zeroone_local_correction",
              "minilm_lamb_240_tweets", "minilm_lamb_240_tweets_frozen_ratio", "lm_2ranks", "lm_binsgdm_lr",
              "lm_240_blocks", "lm_240_precondition", "lm_240_lamb_frozen_ratio", "lm_60_1000",
-             "lm_240_zeroone_local_correction", "lm_60_1000_zeroone_local_correction", "lm_240_x4_seeds23"]
+             "lm_240_zeroone_local_correction", "lm_60_1000_zeroone_local_correction", "lm_240_x4_seeds23",
+             "bow_2ranks_width_blocks", "teacher_width_blocks", "minilm_60_width_blocks", "minilm_60_tweets_width_blocks",
+             "lm_width_blocks"]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "robustness.py"), "--report",
                            *[str(REPO / "docs" / "img" / "robustness" / f"{f}.json") for f in files]],
                           capture_output=True, text=True, timeout=120)
