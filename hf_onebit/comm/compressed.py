@@ -23,16 +23,10 @@ non-finite on every rank, so ``GradScaler`` (or the optimizer) skips the step co
 Every rank decodes the same gathered payload with the same kernel, so the result is bitwise
 identical on all ranks. With ``n == 1`` nothing is compressed and the input is returned as is.
 
-Scale per tensor (option, ``piece_sizes=``): a DDP bucket concatenates many parameter tensors,
-and one scale per rank (worker) and per chunk (server) rebuilds a tiny-gradient tensor at the
-magnitude of its large neighbours. Given the sizes of the concatenated tensors, the buffer is
-cut into *pieces*: the tensor boundaries rounded down to a multiple of 8 (so no packed byte
-straddles two pieces; a tensor whose size is not a multiple of 8 lends its last few elements
-to the next tensor's piece, and the last tensor also owns the zero padding), united with the
-chunk boundaries (multiples of ``C``). Every piece then lies in one chunk and (up to those few
-elements) one tensor, and gets its own scale on both sides. The optimizers cut tensors further
-into blocks (``scale_block``), so ``P`` may be large: a server needs only its own chunk's worker
-scales, which therefore travel beside the signs, and round 1 carries one finiteness flag::
+Scale per tensor (option, ``piece_sizes=``): one scale per *piece* of the buffer, each piece in
+one chunk and (up to a few elements) one tensor or one block of it (:mod:`hf_onebit.comm.pieces`).
+``P`` may be large: a server needs only its own chunk's worker scales, which therefore travel
+beside the signs, and round 1 carries one finiteness flag::
 
     round 1  all-gather   f_i = every s_i[p] finite, s_i[p] = RMS over piece p of (x_i + e_i)
                                                                           4 bytes per rank
@@ -99,13 +93,6 @@ from hf_onebit.kernels import get_backend, load_backend
 from hf_onebit.kernels.contract import WIDTHS
 
 logger = logging.getLogger(__name__)
-
-
-def _describe(sizes) -> str:
-    if sizes is None:
-        return "one scale per chunk (piece_sizes=None)"
-    more = "..." if len(sizes) > 8 else ""
-    return f"one scale per tensor (piece_sizes={list(sizes)[:8]}{more})"
 
 
 class _Codec:
@@ -464,12 +451,10 @@ class CompressedAllReduce:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output saved by the same rank with the same world size.
 
-        The saved scale layout (``piece_sizes``; absent for one scale per chunk) may differ from
-        this one: a warning is logged and the errors carry over (they are residuals in the
-        buffer's coordinates, valid under any layout).
-        The b-bit calls' own errors (``separate_coded_errors``) are restored where saved; state
-        without them (saved before any b-bit call) leaves them to start from zero.
-        """
+        Another saved scale layout is not refused (a run may switch ``scale_per_tensor`` on at a
+        resume): an error buffer is the part of the signal not yet sent, in the buffer's own
+        coordinates, valid under any layout; a warning says so. The b-bit calls' own errors
+        start from zero where none were saved."""
         if "nodes" in state:
             raise ValueError(
                 f"compression state was saved by the exchange by node ({state['nodes'][0]} nodes of"
@@ -483,13 +468,9 @@ class CompressedAllReduce:
         saved = state.get("piece_sizes")
         saved = None if saved is None else tuple(int(v) for v in saved)
         if saved != self.piece_sizes:
-            # Not refused: an error buffer is the part of the signal not yet transmitted, in the
-            # buffer's own coordinates, whatever compressor produced it, so feeding it to
-            # another scale layout is sound (a run may switch scale_per_tensor on at a resume).
-            logger.warning(
-                "hf_onebit: compression state saved with %s is loaded into a buffer using %s; the"
-                " error buffers carry over", _describe(saved), _describe(self.piece_sizes),
-            )
+            count = lambda sizes: "one scale per chunk" if sizes is None else f"{len(sizes)} scale pieces"
+            logger.warning("hf_onebit: compression state saved with %s is loaded into a buffer using %s;"
+                           " the error buffers carry over", count(saved), count(self.piece_sizes))
         coded = "coded_worker_error" in state
         if coded and not self.separate_coded_errors:
             raise ValueError(
@@ -509,10 +490,9 @@ class CompressedAllReduce:
             self.coded_errors.commit()
 
     def reset(self) -> None:
-        """Zero both error buffers, where the exchanged signal changes meaning: 0/1 Adam entering
-        its local-step phase, 1-bit Adam and 1-bit LAMB leaving a b-bit warmup. The b-bit work
-        buffers and piece layout, and the b-bit calls' own errors where they have them, are freed too (every b-bit
-        exchange comes before such a reset; a later one makes them again, from zero)."""
+        """Zero both error buffers, where the exchanged signal changes meaning (0/1 Adam entering
+        its local steps, a b-bit warmup ending), and free the b-bit work buffers, piece layout and
+        errors (a later b-bit call makes them again, from zero)."""
         self.errors.zero()
         self.coded_errors = None
         for width in [w for w in self._buffers if w != 1]:

@@ -3,9 +3,11 @@
 A DDP bucket concatenates many parameter tensors; one scale per rank and chunk rebuilds a
 tiny-gradient tensor at the magnitude of its large neighbours. Given the sizes of the
 concatenated tensors (``piece_sizes``), the buffer is cut into *pieces*: the tensor boundaries
-rounded down to a multiple of 8 (no packed byte straddles two pieces), each tensor cut further
-into blocks of at most ``scale_block`` elements, united with the ``n`` chunk boundaries, so that
-every piece lies in one chunk. A b-bit call's blocks are ``b`` times shorter than the 1-bit
+rounded down to a multiple of 8 (no packed byte straddles two pieces; a tensor whose size is not
+a multiple of 8 lends its last few elements to the next one's piece, and the last tensor owns the
+zero padding), each tensor cut further into blocks of at most ``scale_block`` elements, united
+with the ``n`` chunk boundaries, so that every piece lies in one chunk and gets its own scale on
+both sides. A b-bit call's blocks are ``b`` times shorter than the 1-bit
 calls' (:func:`width_block`). :mod:`hf_onebit.comm.compressed` derives the exchange over them.
 """
 

@@ -80,26 +80,10 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     (``RMS(m_p) == 0``: a tensor whose averaged gradient was always zero; or non-finite
     momenta) the tensor's scaling is 1.
 
-    **Phases** (``n`` ranks; bytes sent per parameter element and rank, scales not counted;
-    all communication happens in the DDP hook while backward runs, none in ``step()``):
-
-    =========== ====== ======================================= ====================== ==========================
-    phase       steps  communicated                            precision, bytes       ``.grad`` when step() runs
-    =========== ====== ======================================= ====================== ==========================
-    warmup      t <= F gradient, mean all-reduce               grad dtype (fp32):     averaged gradient ``ḡ``
-                                                               ≈ 8·(n−1)/n
-    compression t > F  ``(β1·m_p + (1−β1)·g_p,i)·scaling_p``,  1 bit + error          ``M_p / scaling_p``: the
-                       compressed all-reduce (§1) per DDP      feedback (fp32 state): new ``m`` before the mask
-                       bucket                                  ≈ (n−1)/(4n)
-    =========== ====== ======================================= ====================== ==========================
-
-    Under fp16 with a ``GradScaler`` the hook unscales before mixing the gradient into the
-    momentum and ``.grad`` holds the values above times the loss scale, which ``GradScaler``
-    removes before ``step()``.
-
-    With one process (no hook) nothing is communicated, ``.grad`` is the local gradient in both
-    phases and ``step()`` forms the momentum itself (no compression, no scaling). As with 1-bit
-    Adam, ``clip_grad_norm_`` in the compression phase clips the momentum, not a gradient.
+    Its phases are 1-bit Adam's (``docs/algorithms.md``): every exchange runs in the DDP hook
+    while backward runs, none in ``step()``; after the freeze ``.grad`` holds the new momentum
+    (so ``clip_grad_norm_`` clips the momentum). With one process nothing is communicated or
+    compressed.
 
     All state is per parameter and fp32: ``exp_avg`` (m), ``exp_avg_sq`` (v, frozen after F),
     ``exp_avg_sq_fresh`` (v_fresh; none with ``fresh_trust_ratio``), ``coeff_frozen`` (c_frozen), ``last_factor`` (f_last),
@@ -121,30 +105,17 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         coeff_beta: averaging factor of ``c_frozen`` (in ``[0, 1)``).
         factor_max, factor_min: bounds of the compression-phase factor ``f`` (``0 < min <= max``).
         factor_threshold: largest relative change of ``f`` from one step to the next (``>= 0``).
-        auto_mask: mask (keep at zero) momentum coordinates whose averaged gradient was exactly
-            zero on every warmup step, e.g. unused embedding rows, or whose ``sqrt(v)`` stayed
-            below ``eps/100`` (e.g. attention key biases), which would otherwise receive
-            ``±scale`` from the compressor and, with ``v == 0`` there, steps of size
-            ``scale/eps``. :meth:`set_mask` overrides it per parameter.
-        hierarchical: ``True``: the exchange by node (:mod:`hf_onebit.comm.hierarchical`: an fp32
-            mean inside each node, the 1-bit exchange among the node means between nodes),
-            which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
-            group to be the whole world; ``None``: by node exactly when those hold; ``False``
-            (default): the spec's exchange among all ranks. Full-precision warmups stay flat; b-bit ones go by node too.
-        check_finite: without a loss scaler, refuse a non-finite gradient (``FloatingPointError``);
-            no optimizer state changes. CPU tensors (and FSDP2 shards) are checked before the
-            step; on a GPU the step is masked on the device and the error comes at the next
-            ``step()``, with no host sync (see ``optim.guards.check_finite_grads``).
-        update_clip: in the compression phase the update is ``u = m/(max(sqrt(v), |m|/update_clip)
-            + eps) + wd·p``, so no coordinate of the adaptive share exceeds ``update_clip`` before
-            the trust ratio (``None``: the spec's update). 1-bit Adam's bound (see
-            :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`): a frozen ``v`` that is small where
-            the 1-bit momentum is ``±scale`` would otherwise give that coordinate a step of
-            ``scale/sqrt(v)``. The factor ``f`` still compares the unclipped ``sqrt(v)+eps`` with
-            ``sqrt(v_fresh)+eps``. Not per group. Default ``1.0`` (``defaults="paper"``: ``None``):
-            a looser bound (``2.0``) tracks LAMB more closely where the lr is moderate, but lets a
-            from-scratch run at a large lr drift away after an early freeze, which ``1.0`` holds
-            (``docs/results.md``, "Against its own baseline").
+        auto_mask: keep at zero the momentum of coordinates whose averaged gradient was zero on
+            every warmup step (unused embedding rows) or whose ``sqrt(v)`` stayed below
+            ``eps/100``; :meth:`set_mask` overrides it per parameter.
+        hierarchical: ``True``: the exchange by node (:mod:`hf_onebit.comm.hierarchical`);
+            ``None``: by node where ``LOCAL_WORLD_SIZE`` gives a layout; ``False``: flat.
+        check_finite: without a loss scaler, refuse a non-finite gradient
+            (``FloatingPointError``; :mod:`hf_onebit.optim.guards`); no optimizer state changes.
+        update_clip: in the compression phase ``u = m/(max(sqrt(v), |m|/update_clip) + eps) +
+            wd·p``: no coordinate of the adaptive share exceeds ``update_clip`` before the trust
+            ratio (1-bit Adam's bound; ``f`` still compares the unclipped denominators). Not per
+            group; ``None``: the spec's update.
         warmup_bits: how the warmup exchanges the gradient: ``None`` (the spec) at full
             precision, ``8`` or ``4`` with the b-bit exchange and error feedback (see
             :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`).
@@ -153,17 +124,9 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             trust-ratio average at the first ratio instead of 0. Default ``True``
             (``defaults="paper"``: ``False``, the spec's uncorrected arithmetic).
         fresh_trust_ratio: after the freeze, step with LAMB's own trust ratio of the exchanged
-            update, ``clip(‖p‖/‖u‖, min_coeff, max_coeff)``, instead of the frozen average times
-            the factor ``f`` (the spec's). Every rank holds the same exchanged momentum, so the
-            ratio is the same everywhere and costs no communication (on FSDP2 shards, the norms'
-            sum over the replica, as in the warmup). The 1-bit momentum is the true one plus
-            compression noise that error feedback cancels over the following steps, so the
-            exchanged ``‖u‖`` is ``k`` times LAMB's (``k`` ≈ 2-4 measured, growing as a
-            fine-tuning run's true momentum shrinks). The frozen ratio is linear in the exchanged
-            update: the noise cancels and the run moves as LAMB's, with single steps ``k`` times
-            longer. LAMB's own ratio normalizes every step to ``lr·‖p‖``, so it also divides the
-            progress by ``k``: it trains as LAMB at ``lr/k``, ahead where LAMB's lr is too large
-            for a fine-tuning run, behind wherever the run needs its lr (``docs/results.md``).
+            update, ``clip(‖p‖/‖u‖, min_coeff, max_coeff)``, instead of ``c_frozen·f`` (the
+            spec's). The exchanged ``‖u‖`` carries compression noise that error feedback cancels
+            only over later steps, so this trains as LAMB at a smaller lr (``docs/results.md``).
             Default ``False``.
         precondition_exchange: after the freeze, exchange the scaled momentum divided by
             ``sqrt(v̂)+eps`` and multiply the average back, as 1-bit Adam's option of the same name

@@ -42,11 +42,11 @@ from hf_onebit.optim.validation import check_bool, check_positive_int, check_upd
 
 
 class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
-    """0/1 Adam for DDP (attach it with :func:`hf_onebit.attach`).
+    """0/1 Adam for DDP (attach it with :func:`hf_onebit.attach`); hyperparameter names are DeepSpeed's.
 
-    The variance is bias-corrected by default (``bias_correction=False`` keeps the paper's and
-    DeepSpeed's arithmetic, whose steps after a short variance phase are several times Adam's:
-    see the argument). Hyperparameter names and defaults are DeepSpeed's.
+    The phases, what each step sends and where, and the deviations from the paper are in
+    ``docs/algorithms.md`` ("0/1 Adam"); why each library default differs from the paper's, in
+    :mod:`hf_onebit.optim.defaults`.
 
     Args:
         params: parameters or parameter groups.
@@ -54,163 +54,60 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         betas: ``(β1, β2)``.
         eps: added to ``sqrt(v)``.
         weight_decay: decoupled weight decay (AdamW style): ``Δ = lr·(m/(sqrt(v)+eps) + wd·p)``.
-        var_freeze_step: last step of the variance phase (published guidance: the end of the
-            learning-rate warmup). ``0`` skips the variance phase (``v`` then stays zero).
-            ``"auto"`` (or an :class:`~hf_onebit.optim.freeze.AutoFreeze` with bounds) lets the
-            optimizer choose it when the variance has settled, judged at variance steps (see
-            :mod:`hf_onebit.optim.freeze`; its ``window`` counts variance updates).
-        var_update_scaler: number of variance steps after which the interval between variance
-            steps doubles (integer >= 1; the paper's 16), or ``None`` (the default): the interval
-            never grows, every step of the variance phase is a variance step (at ``warmup_bits``)
-            and the first 1-bit exchange comes after the freeze. The paper's 1-bit gradient steps
-            between variance steps, taken from step 17 on, feed the momentum a 1-bit gradient
-            while the variance is still being estimated, which pre-training from scratch at
-            small batches does not survive (``docs/results.md``, "Pre-training from scratch";
-            ``benchmarks/pretrain.py``): the variance phase then sends 8 bits per element where
-            the paper's sends 1 on most steps.
-        local_step_scaler: number of local-phase steps after which the interval between syncs
-            doubles (integer >= 1).
-        local_step_clipper: largest interval between syncs (integer >= 1).
+        var_freeze_step: last step of the variance phase; ``0`` skips it (``v`` stays zero);
+            ``"auto"`` or an :class:`~hf_onebit.optim.freeze.AutoFreeze`: chosen when the
+            variance has settled, judged at variance steps (:mod:`hf_onebit.optim.freeze`).
+        var_update_scaler: variance steps after which the interval between them doubles (the
+            paper's 16; 1-bit gradient steps fill the gaps), or ``None``: every step of the
+            variance phase is a variance step.
+        local_step_scaler: local-phase steps after which the interval between syncs doubles.
+        local_step_clipper: largest interval between syncs.
         auto_mask: from the first compressing step, keep at zero the momentum and synced update
             of coordinates whose averaged gradient was zero on every variance step, or whose
-            ``sqrt(v)`` is below ``eps/100`` (not in the paper; ``False`` follows it exactly).
-        momentum_correction: step by ``m̂ = m/(1 - β1**t)`` (``t`` the step), as Adam does, so
-            that with ``bias_correction`` the variance steps are AdamW's; a sync restores the raw
-            momentum ``(1 - β1**t)·m̂``. Default ``True``; uncorrected (``defaults="paper"``: the
-            paper and DeepSpeed) the first steps are up to ``1/(1 - β1)`` = 10x smaller and the
-            run starts about ``1/(1 - β1)`` steps behind, which a run of a few dozen steps does
-            not make up; a freeze at step 8 leaves the first local steps 0.43 short.
-        refresh_mask: with ``auto_mask``, until the variance freezes, release a masked
-            coordinate at the first variance step where its averaged gradient is non-zero (and
-            ``sqrt(v)`` reaches ``eps/100``). With a ``var_update_scaler`` the first compressing
-            step comes early (step ``var_update_scaler + 1``), so without this every word-embedding
-            row whose word was not in the first few batches stays masked for the whole run.
-            ``False`` (default): the mask is fixed at the first compressing step.
-        bias_correction: divide ``sqrt(v)`` by ``sqrt(1 - β2**k)``, ``k`` the number of variance
-            updates so far (frozen with ``v``). Default ``True``; not in the paper or DeepSpeed
-            (``False`` follows them exactly): without it ``v`` after ``k`` updates is
-            ``1 - β2**k`` of its stationary value, so steps are up to ``1/sqrt(1 - β2**k)`` times
-            too large (3.2x after 100 updates with ``β2 = 0.999``, 7.9x after 16, enough to
-            diverge). ``False`` with such a freeze warns at construction.
-            The momentum is corrected only with ``momentum_correction``.
-        hierarchical: ``True``: the exchange by node (:mod:`hf_onebit.comm.hierarchical`: an fp32
-            mean inside each node, the 1-bit exchange among the node means between nodes),
-            which needs ``1 < LOCAL_WORLD_SIZE < world size``, dividing it, and the DDP process
-            group to be the whole world; ``None``: by node exactly when those hold; ``False``
-            (default): the paper's exchange among all ranks. Full-precision variance steps stay flat;
-            b-bit ones go by node too.
-        check_finite: without a loss scaler, refuse a non-finite gradient (``FloatingPointError``).
-            CPU tensors are checked before the step, which then changes nothing; on a GPU the
-            step is masked on the device and the error comes at the next ``step()``, with no host
-            sync (see ``optim.guards.check_finite_grads``). A masked step changes no tensor of
-            its own; the counters and ``λ`` (a host float) move on, and in the local phase a sync
-            that falls on it still runs with the other ranks (this rank adds no update to it).
-        update_clip: on every step that does not update the variance (1-bit gradient steps and
-            local steps) divide by ``max(sqrt(v̂), |m|/update_clip) + eps``, so no coordinate
-            moves by more than ``update_clip·lr`` (plus weight decay); at a sync the move
-            ``ū/(sqrt(v̂)+eps)`` is bounded the same way by ``update_clip·λ``, dividing by
-            ``max(sqrt(v̂), |ū|/(update_clip·λ)) + eps``. Default ``1.0``; ``None``: the paper's update.
-            It is 1-bit Adam's bound (see :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`) in
-            0/1 Adam's two places where a stale variance meets compression noise. The HF
-            integration passes 1.0.
-        clip_synced_momentum: with ``update_clip``, whether a local step followed at once by a
-            sync (λ = lr: every local-phase step with the default ``local_step_scaler``) adds its
-            clipped step to the accumulator ``u``, as every other local step does. ``u`` becomes
-            the momentum the sync restores, so ``True`` (the paper's preset) clips the momentum itself to
-            ``update_clip·sqrt(v̂)``; ``False`` adds the unclipped step and leaves the bound to
-            the sync's clip (the same ``update_clip·lr`` here). Which is better depends on the
-            run (docs/algorithms.md, "Update clip"); the default is ``False``.
-        sync_in_momentum_units: at a sync, compress ``u ⊙ (sqrt(v)+eps) / λ`` (the mean momentum
-            since the last sync) instead of ``u ⊙ (sqrt(v)+eps)`` (the paper: a sum of
-            learning-rate-weighted momenta), and multiply the average by ``λ`` again. The error
-            feedback then carries momentum, whatever the learning rate. In the paper's units a
-            residual left at one sync is divided by the next sync's ``λ`` when the momentum
-            ``-ū/λ`` is restored: as a decaying schedule takes ``λ`` towards 0 at the end of a
-            run, the restored momentum becomes mostly compression residue. ``False`` (default):
-            the paper's.
-        precondition_exchange: at a sync, compress ``u`` itself (the move since the last sync,
-            in parameter units) instead of ``u ⊙ (sqrt(v)+eps)``, and multiply the average by
-            ``sqrt(v)+eps`` afterwards. The frozen ``v`` is the same on every rank, so without
-            compression both give the same mean; with it, the scales and the error feedback are
-            in the units of the step, as 1-bit Adam's option of the same name does. Default
-            ``True`` (``defaults="paper"``: ``False``, the paper's).
-        warmup_bits: how the variance steps exchange the gradient: ``8`` (the default) or ``4``
-            with the b-bit exchange (``docs/algorithms.md``, "Exchanges"), with error buffers of
-            its own (4 bytes per parameter during the variance phase), apart from the 1-bit
-            steps' that alternate with it; ``None`` (the paper) at full precision.
-        defaults: ``"library"`` (default): each argument of :mod:`hf_onebit.optim.defaults`'s table
-            that is left out takes the library's value; ``"paper"``: the paper's value instead.
+            ``sqrt(v)`` is below ``eps/100`` (``False``: the paper's).
+        momentum_correction: step by ``m/(1 - β1**t)`` as Adam does; a sync restores the raw
+            momentum.
+        refresh_mask: with ``auto_mask``, until the variance freezes, release a masked coordinate
+            at the first variance step that sees it non-zero (``False``: fixed at the first
+            compressing step).
+        bias_correction: divide ``sqrt(v)`` by ``sqrt(1 - β2**k)``, ``k`` the variance updates so
+            far (frozen with ``v``; ``False``: the paper's, whose steps after a short variance
+            phase are up to ``1/sqrt(1 - β2**k)`` times too large: warned at construction).
+        scale_per_tensor, scale_block: one compression scale per tensor, and per block of that
+            many elements of it (:mod:`hf_onebit.comm.pieces`).
+        check_finite: without a loss scaler, refuse a non-finite gradient
+            (``FloatingPointError``; see :mod:`hf_onebit.optim.guards`). A masked step changes no
+            tensor of its own; a sync that falls on it still runs with the other ranks.
+        update_clip: on steps that do not update the variance, divide by
+            ``max(sqrt(v̂), |m|/update_clip) + eps`` (no coordinate moves more than
+            ``update_clip·lr``), and bound a sync's move by ``update_clip·λ`` alike; ``None``:
+            the paper's update.
+        clip_synced_momentum: with ``update_clip``, add a local step followed at once by a sync
+            to ``u`` clipped, as every other local step (the paper's preset), so clipping the
+            momentum the sync restores; ``False``: unclipped, bounded by the sync's clip.
+        sync_in_momentum_units: at a sync compress ``u ⊙ (sqrt(v)+eps) / λ`` (the mean momentum
+            since the last sync) and multiply the mean by ``λ``, so the error feedback carries
+            momentum whatever the lr; ``False``: the paper's units.
+        precondition_exchange: at a sync compress ``u`` itself and multiply the mean by
+            ``sqrt(v)+eps`` (the same mean uncompressed: ``v`` is frozen and equal on every
+            rank); ``False``: the paper's ``u ⊙ (sqrt(v)+eps)``.
+        hierarchical: ``True``: the exchange by node (:mod:`hf_onebit.comm.hierarchical`);
+            ``None``: by node where ``LOCAL_WORLD_SIZE`` gives a layout; ``False``: flat.
+        warmup_bits: the variance steps' exchange of the gradient: ``8`` or ``4`` bits with error
+            buffers of their own, apart from the 1-bit steps'; ``None``: full precision.
+        defaults: ``"library"``: each argument left out takes :mod:`hf_onebit.optim.defaults`'s
+            value; ``"paper"``: the paper's.
         total_steps: the run's length, which fits an automatic freeze's bounds to it (also later,
             :meth:`~hf_onebit.optim.freeze.FreezeSchedule.fit_to_run`).
 
-    Phases and what each step communicates (``n`` ranks):
-
-    ::
-
-        phase        step                     plan               what is communicated            where
-        -----------  -----------------------  -----------------  ------------------------------  ---------------------------
-        variance     variance step:           QUANTIZE_GRADIENT  gradient, b = warmup_bits bits   hook, during backward
-                     t mod var_interval == 0                     + error feedback (its own
-                                                                 buffers)
-                     (warmup_bits=None)       ALLREDUCE          mean gradient, full precision
-                                                                 (the gradient's dtype)
-        variance     1-bit step: otherwise    COMPRESS_GRADIENT  gradient, 1 bit + error         hook, during backward
-                     (only with a                                feedback, one buffer per
-                     var_update_scaler)                          DDP bucket
-        local_steps  sync step:               SYNC_AFTER_STEP    u (paper: u ⊙ (sqrt(v)+eps)),   step(), after this step's
-                     t mod local_interval                        1 bit + error feedback, the     local update (it needs that
-                     == 0                                        1-bit steps' buffers (if none   update: cannot overlap backward)
-                                                                 ran: ≤ 25 MB, parameter order)
-        local_steps  local step: otherwise    LOCAL              nothing                         --
-
-    Bytes sent per rank per parameter element (counted as :mod:`hf_onebit.comm.stats` does):
-    ALLREDUCE ``2·(n-1)/n · 4`` for fp32 gradients (≈ 8); QUANTIZE_GRADIENT ``2·(n-1)/n · b/8``
-    (≈ 2 at 8 bits); COMPRESS_GRADIENT and sync steps
-    ``2·(n-1)/n · 1/8`` (≈ 0.25) plus ``8·(n-1)`` bytes of scales per buffer and call, in 3
-    rounds per buffer; LOCAL 0. Over a local interval of ``k`` steps that is ``0.25/k`` bytes per element
-    per step.
-
-    What ``.grad`` holds when ``step()`` runs:
-
-    * ALLREDUCE, QUANTIZE_GRADIENT: the averaged gradient (b bits: error-compensated), bitwise
-      identical on every rank.
-    * COMPRESS_GRADIENT: the 1-bit averaged gradient (error-compensated), identical on every rank.
-    * LOCAL and SYNC_AFTER_STEP: this rank's own local gradient, different on every rank (so
-      ``clip_grad_norm_`` clips each rank by its own norm).
-
-    Parameters, momentum, ``u`` and ``λ`` are identical on all ranks after every step of the
-    variance phase and after every sync step, and differ between syncs.
-
-    State (fp32 per parameter, also for bf16/fp16 parameters): ``exp_avg`` (m), ``exp_avg_sq``
-    (v); in the local phase also ``momentum_accumulator`` (u, the sum of this rank's updates
-    since the last sync, negated), ``lr_sum`` (λ, a float) and, with more than one rank,
-    ``synced_param`` (the parameter at the last sync, identical on all ranks). The paper moves
-    back to that point with ``p - u``; computed in floating point, ``p - u`` carries the
-    rounding of this rank's own local updates, so ranks would end a sync a few ulps apart.
-    Keeping the point itself (4 more bytes per parameter) makes every rank land on bitwise
-    the same parameters, and for bf16/fp16 parameters it acts as an fp32 master copy of the
-    synced point. The error buffers of every compressed buffer are zeroed when the local phase
-    starts (they then measure the error of the accumulated updates).
-
-    One process (``world_size == 1``): nothing is communicated and nothing is compressed (the
-    compressed all-reduce is the identity for ``n = 1``). A sync step then leaves the
-    parameters where the local steps took them (``p - u + u⊙d/d = p``; the round trip is
-    skipped so no rounding is added), sets ``m = -u⊙(sqrt(v)+eps)/λ`` (the λ-weighted mean of
-    ``m + wd·p·(sqrt(v)+eps)`` over the interval, exactly what the paper's sync yields for ``n = 1``)
-    and resets ``u`` and ``λ``.
-
-    Checkpoints: ``state_dict()`` (rank 0's copy is enough) holds the counters and the optimizer
-    state (including the synced point, the same on every rank); :meth:`rank_state_dict` holds
-    each rank's error buffers and, in the local phase, its own parameters, ``exp_avg``, ``u`` and
-    ``λ``. Resume in this order: model and
-    ``optimizer.load_state_dict``, wrap in DDP (which broadcasts rank 0's parameters),
-    :func:`hf_onebit.attach`, then ``optimizer.load_rank_state_dict`` (which writes this rank's
-    own parameters back). A run stopped between two syncs then continues bitwise identically.
-
-    fp16 with ``GradScaler``: in the local phase ranks see different gradients, so one rank could
-    skip a step that others take, and the step counters and sync schedules would diverge. With a
-    scaler attached, the hook therefore exchanges one 4-byte finiteness flag per bucket on local
-    steps (1 round; see ``comm.allreduce.poison_unless_all_finite_``), so every rank skips together.
+    ``.grad`` holds the averaged gradient in the variance phase (bitwise the same on every rank)
+    and each rank's own in the local phase. State, fp32 per parameter: ``exp_avg``,
+    ``exp_avg_sq``; in the local phase ``momentum_accumulator`` (``u``), ``lr_sum`` (``λ``) and,
+    with more than one rank, ``synced_param``, the point of the last sync, so that every rank
+    lands on bitwise the same parameters (the paper's ``p - u`` carries each rank's rounding).
+    ``state_dict()`` holds what every rank shares; :meth:`rank_state_dict` each rank's own local
+    state and error buffers (``docs/api.md``). With a ``GradScaler`` the hook exchanges one
+    finiteness flag per bucket on local steps, so every rank skips a step together.
     """
 
     def __init__(
