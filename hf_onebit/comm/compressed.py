@@ -495,7 +495,6 @@ class CompressedAllReduce:
         errors (a later b-bit call makes them again, from zero)."""
         self.errors.zero()
         self.coded_errors = None
-        for width in [w for w in self._buffers if w != 1]:
-            del self._buffers[width]
-        for width in [w for w in self._layouts if w != 1]:
-            del self._layouts[width]
+        for by_width in (self._buffers, self._layouts):
+            for width in [w for w in by_width if w != 1]:
+                del by_width[width]
