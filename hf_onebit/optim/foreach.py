@@ -21,7 +21,8 @@ of chunks grows with the model's size, not with its number of tensors.
 On CUDA, torch runs a list op as one fused launch only where each pair of tensors matches in
 shape and dtype; a list of 0-dim per-tensor factors (1-bit LAMB's ratios and scalings) or of
 bool masks takes its per-tensor fallback, still one op for the dispatcher. Masks exist only
-on tensors with masked coordinates.
+on tensors with masked coordinates. The per-tensor reductions of a chunk (:func:`maxima`, and
+:func:`reduced` over FSDP2 shards) are here too.
 """
 
 from __future__ import annotations
@@ -179,3 +180,24 @@ def clip_roots_(roots: list[torch.Tensor], by: list[torch.Tensor], limit: float,
     if limit != 1.0:  # x·1 = x: the HF default (update_clip 1.0) skips a pass
         torch._foreach_mul_(scratch, 1 / limit)
     torch._foreach_maximum_(roots, scratch)
+
+
+def logical(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if contiguous, else a contiguous copy: reductions over it then sum in logical
+    order, so a channels_last tensor reduces bitwise like the same values stored contiguously."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def maxima(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's maximum, stacked; 0 for an empty one (an FSDP2 shard with no elements has
+    no ratio: 0 leaves the maximum over the other shards, whose ratios are positive)."""
+    full = [x for x in xs if x.numel()]
+    each = iter(torch._foreach_max(full) if full else ())
+    return torch.stack([next(each) if x.numel() else x.new_zeros(()) for x in xs])
+
+
+def reduced(vectors: list[torch.Tensor], reduce) -> Iterator[torch.Tensor]:
+    """``reduce`` of all ``vectors`` in one call (one collective), cut back to their lengths."""
+    if not vectors:
+        return iter(())
+    return iter(reduce(torch.cat(vectors)).split([len(v) for v in vectors]))

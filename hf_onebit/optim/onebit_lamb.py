@@ -6,44 +6,23 @@ See :class:`OneBitLamb` for the maths, the phase table and what ``.grad`` holds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.foreach import Chunk, chunks, clip_roots_, masked_factor, select_
+from hf_onebit.optim.foreach import Chunk, chunks, clip_roots_, logical, masked_factor, maxima, reduced, select_
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.validation import check_bool, check_update_clip, check_warmup_bits
-
-
-def logical(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if contiguous, else a contiguous copy: reductions over it then sum in logical
-    order, so a channels_last tensor reduces bitwise like the same values stored contiguously."""
-    return t if t.is_contiguous() else t.contiguous()
+from hf_onebit.optim.validation import check_bool, check_lamb_bounds, check_update_clip, check_warmup_bits
 
 
 def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, group: dict) -> torch.Tensor:
     """LAMB's ``clip(‖p‖/‖u‖, min_coeff, max_coeff)`` per tensor, 1 unless both norms are positive."""
     ratio = (w_norm / u_norm).clamp_(group["min_coeff"], group["max_coeff"])
     return torch.where(torch.minimum(w_norm, u_norm) > 0, ratio, 1.0)  # both norms > 0 (3 ops, not 5)
-
-
-def _maxima(xs: list[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's maximum, stacked; 0 for an empty one (an FSDP2 shard with no elements has
-    no ratio: 0 leaves the maximum over the other shards, whose ratios are positive)."""
-    full = [x for x in xs if x.numel()]
-    maxima = iter(torch._foreach_max(full) if full else ())
-    return torch.stack([next(maxima) if x.numel() else x.new_zeros(()) for x in xs])
-
-
-def _reduced(vectors: list[torch.Tensor], reduce) -> Iterator[torch.Tensor]:
-    """``reduce`` of all ``vectors`` in one call (one collective), cut back to their lengths."""
-    if not vectors:
-        return iter(())
-    return iter(reduce(torch.cat(vectors)).split([len(v) for v in vectors]))
 
 
 class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
@@ -192,30 +171,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     def _check_group(self, group: dict) -> None:
         """The base's checks (lr, eps, weight_decay, betas), then LAMB's bounds."""
         super()._check_group(group)
-        for name in ("max_coeff", "min_coeff", "coeff_beta", "factor_max",
-                     "factor_min", "factor_threshold"):
-            if isinstance(group[name], float) and math.isnan(group[name]):
-                raise ValueError(f"{name} must not be NaN")
-        min_c, max_c = group["min_coeff"], group["max_coeff"]
-        if not min_c > 0.0:
-            raise ValueError(f"min_coeff must be > 0 (it bounds the trust ratio from below), got {min_c}")
-        if not min_c <= max_c:
-            raise ValueError(f"min_coeff must be <= max_coeff, got min_coeff={min_c} > max_coeff={max_c}")
-        if not 0.0 <= group["coeff_beta"] < 1.0:
-            raise ValueError(
-                f"coeff_beta must lie in [0, 1), got {group['coeff_beta']} (with 1 the frozen trust ratio"
-                " would never leave its initial 0 and the compression phase would not move the parameters)"
-            )
-        f_min, f_max = group["factor_min"], group["factor_max"]
-        if not f_min > 0.0:
-            raise ValueError(
-                f"factor_min must be > 0, got {f_min} (a zero factor would stop training for good: each"
-                " step's factor is bounded relative to the previous one)"
-            )
-        if not f_min <= f_max:
-            raise ValueError(f"factor_min must be <= factor_max, got factor_min={f_min} > factor_max={f_max}")
-        if not group["factor_threshold"] >= 0.0:
-            raise ValueError(f"factor_threshold must be >= 0, got {group['factor_threshold']}")
+        check_lamb_bounds(group)
 
     # ---------------------------------------------------------------- phase machine
     @property
@@ -425,7 +381,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             if bc is not None:  # sqrt(v̂_fresh)
                 torch._foreach_mul_(fresh, bc[2])
             torch._foreach_add_(fresh, eps)
-            factor = _maxima(torch._foreach_div(denom, fresh))
+            factor = maxima(torch._foreach_div(denom, fresh))
         if self.update_clip is not None:  # |m/denom| <= update_clip
             clip_roots_(root, m, self.update_clip)
             torch._foreach_add_(root, eps)
@@ -477,8 +433,8 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         keeps parameter order, and empty shards take part (norm 0; maximum 0, see :func:`_maxima`)."""
         hook_state = self.hook_state
         parts = [(chunk, *directions(chunk, ok, keep=True)) for chunk in chunks(self, self._init_state, ok=ok)]
-        norms = _reduced([n for _, _, ns, _ in parts for n in ns], lambda t: hook_state.sum_over_shards(t**2).sqrt())
-        maxima = _reduced([x for _, _, _, xs in parts for x in xs], hook_state.max_over_shards)
+        norms = reduced([n for _, _, ns, _ in parts for n in ns], lambda t: hook_state.sum_over_shards(t**2).sqrt())
+        maxima = reduced([x for _, _, _, xs in parts for x in xs], hook_state.max_over_shards)
         for chunk, u, ns, xs in parts:
             finish(chunk, u, [next(norms) for _ in ns], [next(maxima) for _ in xs], ok)
 

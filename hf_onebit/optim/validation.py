@@ -57,3 +57,30 @@ def check_warmup_bits(value, name: str = "warmup_bits") -> int | None:
     if type(value) is not int or value not in WIDTHS:  # neither True nor 8.0
         raise ValueError(f"{name} must be None (full precision) or one of {WIDTHS} bits, got {value!r}")
     return int(value)
+
+
+def check_lamb_bounds(group: dict) -> None:
+    """1-bit LAMB's trust-ratio bounds and factor settings of a parameter group."""
+    for name in ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold"):
+        if isinstance(group[name], float) and math.isnan(group[name]):
+            raise ValueError(f"{name} must not be NaN")
+    min_c, max_c = group["min_coeff"], group["max_coeff"]
+    if not min_c > 0.0:
+        raise ValueError(f"min_coeff must be > 0 (it bounds the trust ratio from below), got {min_c}")
+    if not min_c <= max_c:
+        raise ValueError(f"min_coeff must be <= max_coeff, got min_coeff={min_c} > max_coeff={max_c}")
+    if not 0.0 <= group["coeff_beta"] < 1.0:
+        raise ValueError(
+            f"coeff_beta must lie in [0, 1), got {group['coeff_beta']} (with 1 the frozen trust ratio"
+            " would never leave its initial 0 and the compression phase would not move the parameters)"
+        )
+    f_min, f_max = group["factor_min"], group["factor_max"]
+    if not f_min > 0.0:
+        raise ValueError(
+            f"factor_min must be > 0, got {f_min} (a zero factor would stop training for good: each"
+            " step's factor is bounded relative to the previous one)"
+        )
+    if not f_min <= f_max:
+        raise ValueError(f"factor_min must be <= factor_max, got factor_min={f_min} > factor_max={f_max}")
+    if not group["factor_threshold"] >= 0.0:
+        raise ValueError(f"factor_threshold must be >= 0, got {group['factor_threshold']}")
