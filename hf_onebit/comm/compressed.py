@@ -216,8 +216,6 @@ class CompressedAllReduce:
         n = self.world_size
         self.padded_numel = padded_length(self.numel, n) if n > 1 else self.numel
         self.chunk = self.padded_numel // n
-        f32 = dict(dtype=torch.float32, device=self.device)
-        u8 = dict(dtype=torch.uint8, device=self.device)
         self.errors = ErrorFeedback(self.padded_numel if n > 1 else 0, self.chunk if n > 1 else 0,
                                     self.device, deferred_commit)
         #: the b-bit calls' own pair (``separate_coded_errors``), made on the first such call
@@ -280,7 +278,6 @@ class CompressedAllReduce:
                 out.copy_(x)
             return out
         x = x.reshape(-1)
-        k, n, group = self.kernels, self.world_size, self.group
         # with deferred commits, spare copies; commit() makes them current
         worker_error, server_error = self._errors_for(width).for_call()
 

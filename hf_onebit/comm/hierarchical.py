@@ -43,7 +43,7 @@ import torch.distributed as dist
 from hf_onebit.comm.allreduce import finite_flag
 from hf_onebit.comm.compat import all_gather_into_tensor
 from hf_onebit.comm.compressed import CompressedAllReduce
-from hf_onebit.comm.pieces import scale_pieces, width_block
+from hf_onebit.comm.pieces import width_pieces
 from hf_onebit.comm.executor import executor_for
 from hf_onebit.comm.stats import CommRecord, CommStats, allreduce_bytes, leaving_node
 from hf_onebit.comm.topology import NodeTopology
@@ -101,10 +101,10 @@ class HierarchicalCompressedAllReduce:
         k = nodes.local_size
         self.shard = -(-self.numel // k)  # S
         lo = nodes.local_rank * self.shard
-        self.piece_sizes = scale_pieces(self.numel, piece_sizes, scale_block)
+        self.piece_sizes = width_pieces(self.numel, piece_sizes, scale_block, 1)
 
         def inner_pieces(width: int):  # the whole buffer's pieces at this width, cut to the shard
-            whole = scale_pieces(self.numel, piece_sizes, width_block(scale_block, width))
+            whole = width_pieces(self.numel, piece_sizes, scale_block, width)
             return None if whole is None else shard_piece_sizes(whole, lo, self.shard)
         # the 1-bit exchange of this rank's shard among the M nodes (its bytes are counted here)
         self.inner = CompressedAllReduce(self.shard, self.device, group=nodes.inter_group, kernels=kernels,
