@@ -373,7 +373,9 @@ def test_the_robustness_table_reprints_the_stored_grid():
              "lm_240_zeroone_local_correction", "lm_60_1000_zeroone_local_correction", "lm_240_x4_seeds23",
              "bow_2ranks_width_blocks", "teacher_width_blocks", "minilm_60_width_blocks", "minilm_60_tweets_width_blocks",
              "lm_width_blocks", "bow_8ranks_width_blocks", "minilm_lamb_240_width_blocks",
-             "minilm_lamb_240_tweets_width_blocks"]
+             "minilm_lamb_240_tweets_width_blocks", "teacher_lamb_step_bound", "bow_2ranks_lamb_step_bound",
+             "bow_8ranks_lamb_step_bound", "lm_lamb_step_bound", "minilm_lamb_240_step_bound",
+             "minilm_lamb_240_tweets_step_bound"]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "robustness.py"), "--report",
                            *[str(REPO / "docs" / "img" / "robustness" / f"{f}.json") for f in files]],
                           capture_output=True, text=True, timeout=120)

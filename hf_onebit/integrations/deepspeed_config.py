@@ -247,7 +247,9 @@ def _optimizer_params(conv: Conversion, params: dict) -> None:
               + (", var_update_scaler=16 and clip_synced_momentum=True (the library's None and False)"
                  if name == "ZeroOneAdam" else "")
               + (", precondition_exchange=False (the 1-bit exchange carries the momentum; the library's True"
-                 " divides it by sqrt(v)+eps first and multiplies the average back)" if name != "OneBitLamb" else "")
+                 " divides it by sqrt(v)+eps first and multiplies the average back)" if name != "OneBitLamb" else
+                 f", step_bound=None (the library's {LIBRARY[name]['step_bound']} caps the frozen trust ratio at that"
+                 " many times LAMB's own ratio of the exchanged update)")
               + ".")
     conv.note("granularity",
               "compression granularity: hf_onebit compresses DDP buckets (about 25 MB each) during backward, where"

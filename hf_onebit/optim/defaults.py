@@ -29,8 +29,15 @@ argument                    library default
                             Costs 4 bytes of scale per 256 elements; the b-bit warmup's blocks
                             are ``b`` times shorter (32 elements at 8 bits), the same share of
                             its bytes (:func:`hf_onebit.comm.pieces.width_block`).
-``update_clip``             ``1.0``: no coordinate's adaptive step exceeds ``lr`` where the variance
-                            is stale (after the freeze), so an early freeze cannot blow up a step.
+``update_clip``             ``1.0`` (1-bit LAMB ``1.5``): no coordinate's adaptive step exceeds ``lr``
+                            where the variance is stale (after the freeze), so an early freeze cannot
+                            blow up a step. 1-bit LAMB's momentum is exchanged in its own units, each
+                            coordinate at its block's scale, which a clip at 1.0 cut on up to 93% of
+                            the coordinates: its step became ``sign(m)``.
+``step_bound``              ``3.0`` (1-bit LAMB): after the freeze no tensor steps more than 3 times
+                            as far as LAMB's own trust ratio of the exchanged update would take it:
+                            the frozen ratio does not normalize the step as LAMB's does, and from
+                            scratch at a large lr single tensors took 5-9 times LAMB's step.
 ``warmup_bits``             ``8``: the warmup (0/1 Adam: its variance steps) exchanges the gradient
                             at 8 bits with error feedback (``docs/algorithms.md``, "Exchanges")
                             instead of 32, so the warmup, which the automatic freeze keeps long,
@@ -102,7 +109,7 @@ _PAPER_ADAM_LIKE = dict(scale_per_tensor=False, scale_block=None, update_clip=No
 #: the library's defaults, by optimizer class
 LIBRARY: dict[str, dict] = {
     "OneBitAdam": dict(freeze_step="auto", precondition_exchange=True, **_ADAM_LIKE),
-    "OneBitLamb": dict(freeze_step="auto", bias_correction=True, **_ADAM_LIKE),
+    "OneBitLamb": dict(freeze_step="auto", bias_correction=True, **dict(_ADAM_LIKE, update_clip=1.5), step_bound=3.0),
     "ZeroOneAdam": dict(var_freeze_step="auto", clip_synced_momentum=False, var_update_scaler=None,
                         momentum_correction=True, precondition_exchange=True, **_ADAM_LIKE),
     "BinSGDM": dict(stratified_votes=True),
@@ -111,7 +118,7 @@ LIBRARY: dict[str, dict] = {
 #: the papers' values of the same arguments
 PAPER: dict[str, dict] = {
     "OneBitAdam": dict(freeze_step=100000, precondition_exchange=False, **_PAPER_ADAM_LIKE),
-    "OneBitLamb": dict(freeze_step=100000, bias_correction=False, **_PAPER_ADAM_LIKE),
+    "OneBitLamb": dict(freeze_step=100000, bias_correction=False, step_bound=None, **_PAPER_ADAM_LIKE),
     "ZeroOneAdam": dict(var_freeze_step=100000, clip_synced_momentum=True, var_update_scaler=16,
                         momentum_correction=False, precondition_exchange=False, **_PAPER_ADAM_LIKE),
     "BinSGDM": dict(stratified_votes=False),

@@ -49,25 +49,25 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
     step size; with weight decay it only rescales the adaptive share ``ρ = min(1,
     ‖m/(sqrt(v)+eps)‖/‖u‖)`` of the update (``f ← ρ·f + 1 − ρ``).
 
-    **Momentum scaling.** The compressor has one scale per chunk of a buffer, and a bucket
-    holds many tensors whose momenta can differ by orders of magnitude. Each tensor's momentum
-    is therefore multiplied by ``scaling_p = mean_q RMS(m_q) / RMS(m_p)`` before compression and
-    divided by it after. The ratios are computed once, at the end of step ``freeze_step`` (the
-    momentum then is the one before the first compressed step's update), over every parameter
-    tensor of the optimizer, and stored in the per-parameter state (identical on every rank, so
-    they travel in ``state_dict()``). If ``mean/RMS(m_p)`` is not a finite positive number
-    (``RMS(m_p) == 0``: a tensor whose averaged gradient was always zero; or non-finite
-    momenta) the tensor's scaling is 1.
+    **The step bound** (``step_bound``). LAMB's ratio normalizes each step to ``lr·‖p‖``; the
+    frozen one does not, so where the gradient outgrows the frozen variance ``‖u‖``, and the step,
+    grow (from scratch at a large lr single tensors took 5-9 times LAMB's step, and diverged).
+    ``c_frozen·f`` is capped at ``step_bound`` times LAMB's own ratio of the exchanged update: one
+    scalar per tensor, so the step stays linear in ``m`` within it, where ``update_clip`` cuts
+    coordinates that arrive near their block's scale (at 1.0 the step became ``sign(m)``).
+
+    **Momentum scaling.** A bucket holds tensors whose momenta differ by orders of magnitude, so
+    each tensor's momentum is multiplied by ``scaling_p = mean_q RMS(m_q) / RMS(m_p)`` before
+    compression and divided by it after (1 where that is not a finite positive number), computed
+    once at the end of step ``freeze_step`` over every tensor and kept in ``state_dict()``.
 
     Its phases are 1-bit Adam's (``docs/algorithms.md``): every exchange runs in the DDP hook
     while backward runs, none in ``step()``; after the freeze ``.grad`` holds the new momentum
     (so ``clip_grad_norm_`` clips the momentum). With one process nothing is communicated or
     compressed.
 
-    All state is per parameter and fp32: ``exp_avg`` (m), ``exp_avg_sq`` (v, frozen after F),
-    ``exp_avg_sq_fresh`` (v_fresh; none with ``fresh_trust_ratio``), ``coeff_frozen`` (c_frozen), ``last_factor`` (f_last),
-    ``scaling``, and the compression mask. Error-feedback buffers are per rank
-    (:meth:`rank_state_dict`).
+    State per parameter, fp32: ``exp_avg`` (m), ``exp_avg_sq`` (v), ``exp_avg_sq_fresh`` (v_fresh; none
+    with ``fresh_trust_ratio``), ``coeff_frozen``, ``last_factor`` (f_last), ``scaling``, the mask.
 
     Args:
         params: parameters or parameter groups (every hyperparameter below except
@@ -76,10 +76,8 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         betas: ``(β1, β2)``.
         eps: added to ``sqrt(v)`` (and to ``sqrt(v_fresh)``).
         weight_decay: ``wd``, added to the update before the trust ratio (LAMB style).
-        freeze_step: last step of the uncompressed warmup. Published guidance: about 15-25% of
-            the run, for batch sizes 8K-64K. ``"auto"`` (or an
-            :class:`~hf_onebit.optim.freeze.AutoFreeze` with bounds) lets the optimizer choose it
-            when the variance has settled (see :mod:`hf_onebit.optim.freeze`).
+        freeze_step: last step of the warmup (published: 15-25% of the run), or ``"auto"`` / an
+            :class:`~hf_onebit.optim.freeze.AutoFreeze`: when the variance has settled.
         max_coeff, min_coeff: bounds of the warmup trust ratio ``c`` (``0 < min <= max``).
         coeff_beta: averaging factor of ``c_frozen`` (in ``[0, 1)``).
         factor_max, factor_min: bounds of the compression-phase factor ``f`` (``0 < min <= max``).
@@ -91,22 +89,17 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             ``None``: by node where ``LOCAL_WORLD_SIZE`` gives a layout; ``False``: flat.
         check_finite: without a loss scaler, refuse a non-finite gradient
             (``FloatingPointError``; :mod:`hf_onebit.optim.guards`); no optimizer state changes.
-        update_clip: in the compression phase ``u = m/(max(sqrt(v), |m|/update_clip) + eps) +
-            wd·p``: no coordinate of the adaptive share exceeds ``update_clip`` before the trust
-            ratio (1-bit Adam's bound; ``f`` still compares the unclipped denominators). Not per
-            group; ``None``: the spec's update.
-        warmup_bits: how the warmup exchanges the gradient: ``None`` (the spec) at full
-            precision, ``8`` or ``4`` with the b-bit exchange and error feedback (see
-            :class:`~hf_onebit.optim.onebit_adam.OneBitAdam`).
-        bias_correction: run LAMB on Adam's corrected moments ``m̂ = m/(1−β1^t)``, ``v̂ = v/(1−β2^t)``
-            (``v̂`` frozen at the freeze step; the fresh variance corrected at ``t``), and start the
-            trust-ratio average at the first ratio instead of 0. Default ``True``
-            (``defaults="paper"``: ``False``, the spec's uncorrected arithmetic).
-        fresh_trust_ratio: after the freeze, step with LAMB's own trust ratio of the exchanged
-            update, ``clip(‖p‖/‖u‖, min_coeff, max_coeff)``, instead of ``c_frozen·f`` (the
-            spec's). The exchanged ``‖u‖`` carries compression noise that error feedback cancels
-            only over later steps, so this trains as LAMB at a smaller lr (``docs/results.md``).
-            Default ``False``.
+        update_clip: after the freeze ``u = m/(max(sqrt(v), |m|/update_clip) + eps) + wd·p``
+            (``f`` compares the unclipped denominators). Not per group; ``None``: the spec's.
+        step_bound: after the freeze the coefficient is ``min(c_frozen·f, step_bound·clip(‖p‖/‖u‖,
+            min_coeff, max_coeff))``. Not per group; ``None``: the spec's ``c_frozen·f``.
+        warmup_bits: the warmup's gradient exchange: ``8`` or ``4`` bits with error feedback, or
+            ``None`` (the spec) at full precision.
+        bias_correction: LAMB on Adam's corrected moments ``m̂``, ``v̂`` (``v̂`` frozen with ``v``),
+            the trust-ratio average starting at the first ratio, not 0 (the paper: ``False``).
+        fresh_trust_ratio: after the freeze, step with LAMB's own ratio ``clip(‖p‖/‖u‖, min_coeff,
+            max_coeff)`` of the exchanged update instead of ``c_frozen·f``: its compression noise
+            makes this LAMB at a smaller lr (``docs/results.md``). Default ``False``.
         precondition_exchange: after the freeze, exchange the scaled momentum divided by
             ``sqrt(v̂)+eps`` and multiply the average back, as 1-bit Adam's option of the same name
             (:meth:`~hf_onebit.optim.masks.ZeroGradientMasks.to_step_units_`). Default ``False``.
@@ -140,15 +133,15 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         bias_correction: bool = LIBRARY_DEFAULT,
         fresh_trust_ratio: bool = False,
         precondition_exchange: bool = False,
+        step_bound: float | None = LIBRARY_DEFAULT,
         defaults: str = "library",
         total_steps: int | None = None,
     ) -> None:
         # arguments left out take the measured defaults, or the papers' (optim/defaults.py)
-        freeze_step, scale_per_tensor, scale_block, update_clip, warmup_bits, bias_correction = resolve_defaults(
-            "OneBitLamb", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor,
-            scale_block=scale_block, update_clip=update_clip, warmup_bits=warmup_bits,
-            bias_correction=bias_correction,
-        ).values()
+        freeze_step, scale_per_tensor, scale_block, update_clip, warmup_bits, bias_correction, step_bound = (
+            resolve_defaults("OneBitLamb", defaults, freeze_step=freeze_step, scale_per_tensor=scale_per_tensor,
+                             scale_block=scale_block, update_clip=update_clip, warmup_bits=warmup_bits,
+                             bias_correction=bias_correction, step_bound=step_bound).values())
         self.init_freeze(freeze_step, "freeze_step", total_steps)
         self.update_clip = check_update_clip(update_clip)
         self.warmup_bits = check_warmup_bits(warmup_bits)
@@ -158,6 +151,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         self.fresh_trust_ratio = fresh_trust_ratio
         check_bool(precondition_exchange, "precondition_exchange")
         self.precondition_exchange = precondition_exchange
+        self.step_bound = check_update_clip(step_bound, "step_bound")
         group_defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, Sequence) else betas, eps=eps,
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
@@ -392,11 +386,15 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             if wd:
                 torch._foreach_add_(u, pf, alpha=wd)
             return u, (torch.stack(torch._foreach_norm(pf)), torch.stack(torch._foreach_norm(u))), ()
-        if not wd:
+        if not wd and self.step_bound is None:
             return u, (), (factor,)
-        decayed = torch._foreach_add(u, self._fp32_params(chunk), alpha=wd)
-        norms = torch._foreach_norm(u + decayed)  # both lists' norms in one op
-        return decayed, (torch.stack(norms[: len(u)]), torch.stack(norms[len(u):])), (factor,)
+        # norms, in one op: ‖u‖ before weight decay (its share ρ, with weight decay), ‖u‖, ‖p‖ (step_bound)
+        pf = self._fp32_params(chunk)
+        decayed = torch._foreach_add(u, pf, alpha=wd) if wd else u
+        lists = (list(u) if wd else []) + list(decayed) + (list(pf) if self.step_bound is not None else [])
+        norms = torch._foreach_norm(lists)
+        n = len(u)
+        return decayed, tuple(torch.stack(norms[i:i + n]) for i in range(0, len(norms), n)), (factor,)
 
     def _compression_finish(self, chunk: Chunk, u: list[torch.Tensor], norms, maxima,
                             ok: torch.Tensor | None) -> None:
@@ -408,8 +406,9 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             self._apply_updates(chunk, u, c if ok is None else c * ok.float(), group["lr"])
             return
         (factor,) = maxima
-        if norms:  # weight decay: f ← ρ·f + 1 − ρ with ρ = min(1, ‖u before decay‖/‖u‖)
-            prelim_norm, u_norm = norms
+        norms = list(norms)
+        if group["weight_decay"]:  # f ← ρ·f + 1 − ρ with ρ = min(1, ‖u before decay‖/‖u‖)
+            prelim_norm, u_norm = norms.pop(0), norms[0]
             # min(prelim/u_norm, 1), and 1 where u_norm = 0: x/0 is inf or NaN, which fmin maps to 1
             rho = torch.fmin(prelim_norm / u_norm, self._one_on(u_norm.device))
             factor = rho * factor + (1 - rho)
@@ -419,6 +418,9 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         thr = group["factor_threshold"]
         factor = torch.clamp(factor, last * (1 - thr), last * (1 + thr))
         coeffs = torch.stack(chunk.state("coeff_frozen")) * factor
+        if self.step_bound is not None:  # at most step_bound times LAMB's own ratio of this update
+            u_norm, p_norm = norms
+            coeffs = torch.minimum(coeffs, self.step_bound * _trust_ratio(p_norm, u_norm, group))
         if ok is not None:  # masked: the last factor stays, and the parameters move by 0·u
             factor, coeffs = torch.where(ok, factor, last), coeffs * ok.float()
         torch._foreach_copy_(last_list, list(factor.unbind()))

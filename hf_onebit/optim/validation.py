@@ -30,12 +30,13 @@ def check_bool(value: bool, name: str) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
-def check_update_clip(value: float | None) -> float | None:
-    """``update_clip`` is ``None`` or a finite number > 0; returns it as a float (or ``None``)."""
+def check_update_clip(value: float | None, name: str = "update_clip") -> float | None:
+    """``value`` (``update_clip``, ``step_bound``) is ``None`` or a finite number > 0; returns it as a
+    float (or ``None``)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"update_clip must be a positive number or None, got {value!r}")
+        raise ValueError(f"{name} must be a positive number or None, got {value!r}")
     return float(value)
 
 

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hf_onebit.integrations import options
 from hf_onebit.integrations.deepspeed_config import ConversionError, convert, load
 from hf_onebit.integrations.from_deepspeed import main
+from hf_onebit.optim.defaults import LIBRARY
 from tests.distributed import run_distributed
 from tests.integrations.launch import run
 
@@ -181,12 +182,14 @@ def test_the_paper_preset_and_what_it_changes_are_stated(name):
                   "scale_per_tensor=False"):
         assert words in notes["defaults"], words
     assert ("var_update_scaler=16" in notes["defaults"]) == name.startswith("zeroone")
+    assert ("step_bound=None" in notes["defaults"]) == name.startswith("onebit_lamb")
     assert "auto_mask=True" in notes["auto_mask"] and "exp_avg_mask" in notes["auto_mask"]
     assert "DDP buckets" in notes["granularity"]
     opt = conv.build([torch.nn.Parameter(torch.zeros(3))])
     assert opt.warmup_bits is None and opt.update_clip is None and opt.scale_per_tensor is False
     lib = conv.build([torch.nn.Parameter(torch.zeros(3))], library=True)
-    assert lib.warmup_bits == 8 and lib.update_clip == 1.0 and lib.scale_per_tensor is True
+    assert lib.warmup_bits == 8 and lib.update_clip == LIBRARY[type(lib).__name__]["update_clip"] and lib.scale_per_tensor
+    assert getattr(opt, "step_bound", None) is None and getattr(lib, "step_bound", None) == LIBRARY[type(lib).__name__].get("step_bound")
     assert "library defaults" in conv_report(conv)
 
 

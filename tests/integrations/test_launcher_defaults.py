@@ -167,7 +167,7 @@ def _resolved(trainer) -> dict:
            "sizes": [len(g["params"]) for g in opt.param_groups]}
     for attr in ("auto_freeze", "freeze_step", "var_freeze_step", "scale_per_tensor", "scale_block", "update_clip",
                  "warmup_bits",
-                 "clip_synced_momentum", "var_update_scaler", "bias_correction", "momentum_correction", "stratified_votes", "fresh_trust_ratio", "precondition_exchange", "seed"):
+                 "clip_synced_momentum", "var_update_scaler", "bias_correction", "momentum_correction", "stratified_votes", "fresh_trust_ratio", "precondition_exchange", "step_bound", "seed"):
         out[attr] = getattr(opt, attr, None)
     return out
 

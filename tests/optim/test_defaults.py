@@ -28,7 +28,7 @@ def _resolved(opt, freeze_name):
                warmup_bits=opt.warmup_bits,
                **{freeze_name: "auto" if auto is not None else getattr(opt, freeze_name)})
     for own in ("clip_synced_momentum", "var_update_scaler", "bias_correction", "momentum_correction",
-                "precondition_exchange"):  # 0/1 Adam's; 1-bit LAMB's; both Adams
+                "precondition_exchange", "step_bound"):  # 0/1 Adam's; 1-bit LAMB's; both Adams
         if own in presets.LIBRARY[type(opt).__name__]:
             out[own] = getattr(opt, own)
     return out
@@ -43,7 +43,7 @@ def test_library_defaults_by_default_and_the_papers_one_switch_away(name):
     given = cls(_param(), defaults="paper", warmup_bits=4, **{freeze_name: 7})
     assert (given.warmup_bits, getattr(given, freeze_name), given.scale_per_tensor) == (4, 7, False)
     given = cls(_param(), scale_per_tensor=False, warmup_bits=None)
-    assert (given.scale_per_tensor, given.warmup_bits, given.update_clip) == (False, None, 1.0)
+    assert (given.scale_per_tensor, given.warmup_bits, given.update_clip) == (False, None, presets.LIBRARY[name]["update_clip"])
     with pytest.raises(ValueError, match="defaults must be one of"):
         cls(_param(), defaults="deepspeed")
     for bad in (0, 12, 256.0, True):

@@ -49,8 +49,12 @@ class OneBitLambSimulation:
                  freeze_step=100000, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
                  factor_min=0.5, factor_threshold=0.1, auto_mask=True, use_scaling=True,
                  scale_per_tensor=False, update_clip=None, nodes=None, groups=None, warmup_bits=None,
-                 warmup_layouts=None, bias_correction=False, fresh_trust_ratio=False, precondition_exchange=False):
+                 warmup_layouts=None, bias_correction=False, fresh_trust_ratio=False, precondition_exchange=False,
+                 step_bound=None):
         self.clip = update_clip
+        # hf_onebit's option: after the freeze the coefficient c_frozen·f is at most step_bound times
+        # LAMB's own ratio clip(‖p‖/‖u‖) of the exchanged update
+        self.step_bound = step_bound
         # hf_onebit's option: after the freeze the ranks send x/(sqrt(v̂)+eps) (0 where masked), x
         # the scaled momentum, and the mean times sqrt(v̂)+eps is the scaled momentum
         self.precondition = precondition_exchange
@@ -199,9 +203,17 @@ class OneBitLambSimulation:
             if f != clipped:
                 self.binds["threshold_up" if clipped > hi else "threshold_down"] += 1
             factors.append(f)
+            cap = np.inf
+            if self.step_bound is not None:
+                wn, un = _group_norm([self.p[k] for k in group]), _group_norm([u[k] for k in group])
+                cap = self.step_bound * (min(max(wn / un, self.min_coeff), self.max_coeff) if wn > 0 and un > 0 else 1.0)
             for k in group:
                 self.f_last[k] = f
-                self.p[k] = (self.p[k] - np.float32(self.lr * self.c_frozen[k] * f) * u[k]).astype(np.float32)
+                coeff = self.c_frozen[k] * f
+                if coeff > cap:
+                    self.binds["step_bound"] += 1
+                    coeff = cap
+                self.p[k] = (self.p[k] - np.float32(self.lr * coeff) * u[k]).astype(np.float32)
         self.factors.append(factors)
         return [x.copy() for x in self.p]
 
@@ -370,6 +382,19 @@ def test_fresh_trust_ratio_matches_its_simulation_and_keeps_lambs_step_size():
     # the last (compressed) step of each tensor: ‖Δp‖/(lr·‖p‖) is 1 unless the ratio was clipped
     rel = [np.linalg.norm(a - b) / (kwargs["lr"] * np.linalg.norm(b)) for a, b in zip(expected[-1], expected[-2])]
     assert sum(r == pytest.approx(1.0, rel=1e-3) for r in rel) >= len(rel) / 2, rel
+
+
+def test_step_bound_matches_its_simulation_and_binds():
+    """step_bound=b: after the freeze a tensor's coefficient c_frozen·f is at most b times LAMB's own
+    ratio clip(‖p‖/‖u‖) of the exchanged update, so ‖Δp‖ <= b·lr·‖p‖ where that ratio is unclipped."""
+    kwargs = dict(CONFIGS[0][1], scale_per_tensor=True, update_clip=0.5, bias_correction=True, step_bound=0.6)
+    steps = CONFIGS[0][2]
+    segments, sim, expected = _two_ranks_match_the_simulation(kwargs, steps)
+    assert 0 < sim.binds["step_bound"] < 5 * (steps - kwargs["freeze_step"]), sim.binds  # some steps of 5 tensors
+    _, unbounded = _simulate(2, segments, dict(kwargs, step_bound=None), steps)
+    assert any(not np.allclose(a, b, rtol=1e-4) for a, b in zip(unbounded[-1], expected[-1]))
+    rel = [np.linalg.norm(a - b) / (kwargs["lr"] * np.linalg.norm(b)) for a, b in zip(expected[-1], expected[-2])]
+    assert max(rel) <= 0.6 * (1 + 1e-4), rel
 
 
 @pytest.mark.parametrize("fresh", [True, False])
