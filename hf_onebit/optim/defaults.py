@@ -109,7 +109,7 @@ _PAPER_ADAM_LIKE = dict(scale_per_tensor=False, scale_block=None, update_clip=No
 #: the library's defaults, by optimizer class
 LIBRARY: dict[str, dict] = {
     "OneBitAdam": dict(freeze_step="auto", precondition_exchange=True, **_ADAM_LIKE),
-    "OneBitLamb": dict(freeze_step="auto", bias_correction=True, **dict(_ADAM_LIKE, update_clip=1.5), step_bound=3.0),
+    "OneBitLamb": dict(_ADAM_LIKE, freeze_step="auto", bias_correction=True, update_clip=1.5, step_bound=3.0),
     "ZeroOneAdam": dict(var_freeze_step="auto", clip_synced_momentum=False, var_update_scaler=None,
                         momentum_correction=True, precondition_exchange=True, **_ADAM_LIKE),
     "BinSGDM": dict(stratified_votes=True),

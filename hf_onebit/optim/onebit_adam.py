@@ -27,7 +27,7 @@ from hf_onebit.optim.foreach import Chunk, chunks, clip_roots_, masked_factor, s
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.validation import check_bool, check_update_clip, check_warmup_bits
+from hf_onebit.optim.validation import check_bool, check_positive_or_none, check_warmup_bits
 
 
 def adam_update_(
@@ -147,7 +147,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             scale_block=scale_block, update_clip=update_clip, warmup_bits=warmup_bits,
             precondition_exchange=precondition_exchange,
         ).values()
-        self.update_clip = check_update_clip(update_clip)
+        self.update_clip = check_positive_or_none(update_clip, "update_clip")
         self.warmup_bits = check_warmup_bits(warmup_bits)
         self.init_freeze(freeze_step, "freeze_step", total_steps)
         group_defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)

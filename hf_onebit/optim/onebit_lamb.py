@@ -16,7 +16,7 @@ from hf_onebit.optim.foreach import Chunk, chunks, clip_roots_, logical, masked_
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.validation import check_bool, check_lamb_bounds, check_update_clip, check_warmup_bits
+from hf_onebit.optim.validation import check_bool, check_lamb_bounds, check_positive_or_none, check_warmup_bits
 
 
 def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, group: dict) -> torch.Tensor:
@@ -143,7 +143,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
                              scale_block=scale_block, update_clip=update_clip, warmup_bits=warmup_bits,
                              bias_correction=bias_correction, step_bound=step_bound).values())
         self.init_freeze(freeze_step, "freeze_step", total_steps)
-        self.update_clip = check_update_clip(update_clip)
+        self.update_clip = check_positive_or_none(update_clip, "update_clip")
         self.warmup_bits = check_warmup_bits(warmup_bits)
         check_bool(bias_correction, "bias_correction")
         self.bias_correction = bias_correction
@@ -151,7 +151,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
         self.fresh_trust_ratio = fresh_trust_ratio
         check_bool(precondition_exchange, "precondition_exchange")
         self.precondition_exchange = precondition_exchange
-        self.step_bound = check_update_clip(step_bound, "step_bound")
+        self.step_bound = check_positive_or_none(step_bound, "step_bound")
         group_defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, Sequence) else betas, eps=eps,
             weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,

@@ -30,9 +30,9 @@ def check_bool(value: bool, name: str) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
-def check_update_clip(value: float | None, name: str = "update_clip") -> float | None:
-    """``value`` (``update_clip``, ``step_bound``) is ``None`` or a finite number > 0; returns it as a
-    float (or ``None``)."""
+def check_positive_or_none(value: float | None, name: str) -> float | None:
+    """``value`` (a bound: ``update_clip``, ``step_bound``) is ``None`` or a finite number > 0;
+    returns it as a float (or ``None``)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

@@ -38,7 +38,7 @@ from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_default
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.local_state import LocalPhaseState
 from hf_onebit.optim.masks import ZeroGradientMasks
-from hf_onebit.optim.validation import check_bool, check_positive_int, check_update_clip, check_warmup_bits
+from hf_onebit.optim.validation import check_bool, check_positive_int, check_positive_or_none, check_warmup_bits
 
 
 class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
@@ -144,7 +144,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
             scale_block=scale_block, update_clip=update_clip, clip_synced_momentum=clip_synced_momentum, warmup_bits=warmup_bits,
             var_update_scaler=var_update_scaler, momentum_correction=momentum_correction,
             precondition_exchange=precondition_exchange).values()
-        self.update_clip = check_update_clip(update_clip)
+        self.update_clip = check_positive_or_none(update_clip, "update_clip")
         self.warmup_bits = check_warmup_bits(warmup_bits)
         for name, switch in (("clip_synced_momentum", clip_synced_momentum), ("refresh_mask", refresh_mask),
                              ("momentum_correction", momentum_correction),

@@ -409,12 +409,14 @@ def test_the_preconditioned_exchange_matches_its_simulation(fresh):
     assert any(not np.allclose(a, b, rtol=1e-4) for a, b in zip(plain[-1], expected[-1]))
 
 
-def test_update_clip_is_validated():
+@pytest.mark.parametrize("name", ["update_clip", "step_bound"])
+def test_the_bounds_are_validated(name):
     from hf_onebit.optim.onebit_lamb import OneBitLamb
 
     for bad in (0, -1.0, float("nan"), True, "1"):
-        with pytest.raises(ValueError, match="update_clip"):
-            OneBitLamb([torch.nn.Parameter(torch.ones(2))], update_clip=bad)
+        with pytest.raises(ValueError, match=f"{name} must be a positive number or None"):
+            OneBitLamb([torch.nn.Parameter(torch.ones(2))], **{name: bad})
+    assert getattr(OneBitLamb([torch.nn.Parameter(torch.ones(2))], **{name: 2}), name) == 2.0
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
