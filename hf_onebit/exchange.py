@@ -199,6 +199,29 @@ class Exchange:
         total = self.stats.snapshot()
         self.last_step, self._at_last_step = total - self._at_last_step, total
 
+    def traffic(self) -> dict:
+        """Cumulative and last-step communication figures, for logs and benchmarks.
+
+        ``compression_ratio`` is the ratio over the slowest link: on several nodes, the bytes that
+        leave this rank's node against fp32 DDP's (``inter_node_ratio``), else all bytes against
+        fp32 DDP's. Inside a node and between nodes are also given apart (``None`` where no byte
+        goes that way); see :mod:`hf_onebit.comm.stats` for how they are counted.
+        """
+        total, last = self.stats.snapshot(), self.last_step
+        return {
+            "bytes_sent": total.bytes_sent,
+            "bytes_received": total.bytes_received,
+            "rounds": total.rounds,
+            "fp32_allreduce_bytes": total.fp32_equivalent,
+            "compression_ratio": total.headline_ratio,
+            "inter_node_bytes_sent": total.inter_node_sent,
+            "intra_node_bytes_sent": total.bytes_sent - total.inter_node_sent,
+            "inter_node_ratio": total.inter_node_ratio,
+            "intra_node_ratio": total.intra_node_ratio,
+            "last_step_bytes_sent": last.bytes_sent,
+            "last_step_rounds": last.rounds,
+        }
+
     # ---------------------------------------------------------------- per-rank state
     def state_dict(self) -> dict:
         """This rank's error buffers (by segment) and its traffic so far."""

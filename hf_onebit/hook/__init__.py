@@ -29,9 +29,9 @@ In every plan but LOCAL/SYNC_AFTER_STEP, ``.grad`` is bitwise identical on all r
 scales differs by plan (documented in ``docs/algorithms.md``): in COMPRESS_MOMENTUM it is the
 momentum, which ``step()`` takes as the new momentum.
 
-For the compressed plans the optimizer says what one parameter sends
-(:meth:`~hf_onebit.optim.OneBitOptimizer.prepare_send`) and what its ``.grad`` holds afterwards
-(:meth:`~hf_onebit.optim.OneBitOptimizer.finish_receive`); :mod:`hf_onebit.hook.buckets` runs
+For the compressed plans the optimizer says what a segment's parameters send
+(:meth:`~hf_onebit.optim.OneBitOptimizer.prepare_bucket`) and what their ``.grad`` hold afterwards
+(:meth:`~hf_onebit.optim.OneBitOptimizer.finish_bucket`); :mod:`hf_onebit.hook.buckets` runs
 them around each segment's compressed all-reduce. A plan of the optimizer's own (BinSGDM's vote)
 goes to its ``exchange_bucket``. All collectives go through one ordered executor per process
 group (:mod:`hf_onebit.comm.executor`), so several buckets in flight are issued in the same

@@ -134,16 +134,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
         if results is not grads:
             torch._foreach_copy_(grads, results)  # logical order, whatever the gradients' strides
 
-    def prepare_send(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
-                     inv_scale: torch.Tensor | float | None) -> None:
-        """:meth:`prepare_bucket` for one parameter, ``out`` flat (for tests and tools)."""
-        self.prepare_bucket(plan, [p], [grad], [out.view(p.shape)], inv_scale)
-
-    def finish_receive(self, plan: Plan, p: torch.Tensor, result: torch.Tensor, grad: torch.Tensor,
-                       scale: torch.Tensor | float | None) -> None:
-        """:meth:`finish_bucket` for one parameter, ``result`` flat (for tests and tools)."""
-        self.finish_bucket(plan, [p], [result.view(p.shape)], [grad], scale)
-
     def _by_group(self, params: list[torch.Tensor], value: Callable[[dict], object]) -> list[tuple[object, list[int]]]:
         """The positions in ``params`` grouped by ``value(param group)`` (e.g. ``β1``): one list op
         per distinct value, in first-seen order."""
@@ -292,29 +282,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         return guards.check_synced(self, t)
 
     def onebit_stats(self) -> dict:
-        """Cumulative and last-step communication figures, for logs and benchmarks.
-
-        ``compression_ratio`` is the ratio over the slowest link: on several nodes, the bytes that
-        leave this rank's node against fp32 DDP's (``inter_node_ratio``), else all bytes against
-        fp32 DDP's. Inside a node and between nodes are also given apart (``None`` where no byte
-        goes that way); see :mod:`hf_onebit.comm.stats` for how they are counted.
-        """
-        total, last = self.exchange.stats.snapshot(), self.exchange.last_step
-        return {
-            "phase": self.phase(),
-            "step": self.steps_done,
-            "bytes_sent": total.bytes_sent,
-            "bytes_received": total.bytes_received,
-            "rounds": total.rounds,
-            "fp32_allreduce_bytes": total.fp32_equivalent,
-            "compression_ratio": total.headline_ratio,
-            "inter_node_bytes_sent": total.inter_node_sent,
-            "intra_node_bytes_sent": total.bytes_sent - total.inter_node_sent,
-            "inter_node_ratio": total.inter_node_ratio,
-            "intra_node_ratio": total.intra_node_ratio,
-            "last_step_bytes_sent": last.bytes_sent,
-            "last_step_rounds": last.rounds,
-        }
+        """The phase, the steps done and :meth:`Exchange.traffic <hf_onebit.exchange.Exchange.traffic>`."""
+        return {"phase": self.phase(), "step": self.steps_done, **self.exchange.traffic()}
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:

@@ -574,7 +574,7 @@ def test_bad_hyperparameters_in_a_param_group_are_refused():
 
 
 def test_hook_side_sends_scaled_momentum_and_returns_it_unscaled():
-    # prepare_send / finish_receive on their own, with a loss scale as under fp16 GradScaler
+    # prepare_bucket / finish_bucket on one parameter, with a loss scale as under fp16 GradScaler
     from hf_onebit.optim.base import Plan
 
     opt, model, _ = _run_local(dict(lr=1e-2, freeze_step=3, betas=(0.8, 0.99)), 3)
@@ -587,10 +587,10 @@ def test_hook_side_sends_scaled_momentum_and_returns_it_unscaled():
     m = opt.state[p]["exp_avg"].clone()
     g = torch.randn(p.shape)
     out = torch.empty(p.numel())
-    opt.prepare_send(Plan.COMPRESS_MOMENTUM, p, g * loss_scale, out, 1 / loss_scale)
+    opt.prepare_bucket(Plan.COMPRESS_MOMENTUM, [p], [g * loss_scale], [out.view(p.shape)], 1 / loss_scale)
     torch.testing.assert_close(out, ((0.8 * m + 0.2 * g) * scalings[3]).reshape(-1), rtol=1e-6, atol=1e-7)
     grad = torch.empty(p.shape)
-    opt.finish_receive(Plan.COMPRESS_MOMENTUM, p, out.clone(), grad, loss_scale)
+    opt.finish_bucket(Plan.COMPRESS_MOMENTUM, [p], [out.clone().view(p.shape)], [grad], loss_scale)
     torch.testing.assert_close(grad, (0.8 * m + 0.2 * g) * loss_scale, rtol=1e-6, atol=1e-5)
 
 
