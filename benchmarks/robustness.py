@@ -10,9 +10,10 @@ A method is judged against the method it compresses, at the **same** hyperparame
 length, world size, global batch, seed, data order): 1-bit Adam and 0/1 Adam against AdamW, 1-bit
 LAMB against uncompressed LAMB (``OneBitLamb(freeze_step=10**9, warmup_bits=None)``: exact LAMB on
 the averaged gradient, the warmup arithmetic of 1-bit LAMB), BinSGDM against AdamW at BinSGDM's
-own lr and, as "BinSGDM vs no vote", against its own update without the 1-bit vote
-(``p -= lr·(m/(b + eps) + wd·p)`` on the averaged gradient, :class:`UnvotedBinSGDM`): the first gap
-is the method's, the second what the vote's noise costs. Every hf_onebit optimizer runs at the library's defaults: only ``lr``, ``total_steps``
+own lr, and against two uncompressed forms of its own update (:func:`binsgdm_baseline`): "vs exact
+mean", each rank's ``m_i/(b_i + eps)`` averaged exactly by an fp32 all-reduce (the vote's
+expectation: its gap is what the 1-bit vote costs), and "vs no vote", ``m/(b + eps)`` of the
+averaged gradient (what BinSGDM's per-rank normalization costs on top). Every hf_onebit optimizer runs at the library's defaults: only ``lr``, ``total_steps``
 and, for the ``0.2`` freeze, the published 20% (``freeze_step`` / ``var_freeze_step``) are given.
 The lr decays linearly to 0 over the run (transformers' default schedule), for every method.
 
@@ -58,11 +59,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 #: the compressed methods and the baseline each is judged against
 BASELINE = {"onebit_adam": "adamw", "zeroone_adam": "adamw", "onebit_lamb": "lamb", "binsgdm": "adamw_binsgdm"}
 METHODS = list(BASELINE)
-#: a second baseline: the method's own update with its compression taken out (reported as ``<method>_novote``)
-SECOND_BASELINE = {"binsgdm": "unvoted_binsgdm"}
-BASELINES = sorted(set(BASELINE.values()) | set(SECOND_BASELINE.values()))
+#: further baselines: the method's own update with its compression taken out, by the gap's label
+MORE_BASELINES = {"binsgdm": {"binsgdm_mean": "mean_vote_binsgdm", "binsgdm_novote": "unvoted_binsgdm"}}
 LABELS = {"onebit_adam": "1-bit Adam", "zeroone_adam": "0/1 Adam", "onebit_lamb": "1-bit LAMB", "binsgdm": "BinSGDM",
-          "binsgdm_novote": "BinSGDM vs no vote"}
+          "binsgdm_mean": "BinSGDM vs exact mean", "binsgdm_novote": "BinSGDM vs no vote"}
 
 #: per task: the advised lr of each method family, the global batch, the metric
 TASKS = {
@@ -75,7 +75,7 @@ TASKS = {
 
 def family(name: str) -> str:
     return {"onebit_lamb": "lamb", "lamb": "lamb", "binsgdm": "binsgdm", "adamw_binsgdm": "binsgdm",
-            "unvoted_binsgdm": "binsgdm"}.get(name, "adam")
+            "unvoted_binsgdm": "binsgdm", "mean_vote_binsgdm": "binsgdm"}.get(name, "adam")
 
 
 # ====================================================================== tasks
@@ -243,13 +243,19 @@ TASK_CLASSES = {"bow": BowTask, "minilm": MiniLMTask, "lm": LMTask, "teacher": T
 
 
 # ====================================================================== one cell
-def unvoted_binsgdm(params, lr: float):
-    """BinSGDM's update with the exact mean in place of its 1-bit vote, on the averaged gradient:
-    ``m = β·m + (1-β)·g``, ``b = β·b + (1-β)·|g|``, ``p -= lr·(m/(b + eps) + wd·p)`` at BinSGDM's
-    defaults (the vote's ``q̄`` is an unbiased estimate of ``m/(b + eps)`` when every rank sees ``g``)."""
-    import torch
+def binsgdm_baseline(params, lr: float, exact_mean: bool):
+    """BinSGDM's update at its defaults with the 1-bit vote taken out: ``m = β·m + (1-β)·g``,
+    ``b = β·b + (1-β)·|g|``, ``p -= lr·(z + wd·p)`` with
 
-    class UnvotedBinSGDM(torch.optim.Optimizer):
+    * ``exact_mean``: ``z = mean_i m_i/(b_i + eps)``, each rank's own ``m_i, b_i`` from its own
+      gradient (DDP's averaging is replaced by :func:`local_gradients`), averaged by an fp32
+      all-reduce: the expectation of the vote average ``q̄``, so the gap is the vote's noise alone;
+    * else ``z = m/(b + eps)`` of the averaged gradient: what one process at the global batch would
+      step, so the gap adds what normalizing each rank's smaller batch by its own ``b_i`` costs."""
+    import torch
+    import torch.distributed as dist
+
+    class BinSGDMBaseline(torch.optim.Optimizer):
         def __init__(self, params, lr, beta=0.9, eps=1e-8, weight_decay=0.0):
             super().__init__(params, dict(lr=lr, beta=beta, eps=eps, weight_decay=weight_decay))
 
@@ -265,9 +271,22 @@ def unvoted_binsgdm(params, lr: float):
                         st["m"], st["b"] = torch.zeros_like(p), torch.zeros_like(p)
                     st["m"].mul_(beta).add_(p.grad, alpha=1 - beta)
                     st["b"].mul_(beta).add_(p.grad.abs(), alpha=1 - beta)
-                    p.add_(st["m"] / (st["b"] + group["eps"]) + group["weight_decay"] * p, alpha=-group["lr"])
+                    z = st["m"] / (st["b"] + group["eps"])
+                    if exact_mean:
+                        dist.all_reduce(z)
+                        z /= dist.get_world_size()
+                    p.add_(z + group["weight_decay"] * p, alpha=-group["lr"])
 
-    return UnvotedBinSGDM(params, lr)
+    return BinSGDMBaseline(params, lr)
+
+
+def local_gradients(_, bucket):
+    """A DDP communication hook that leaves each rank its own gradients (nothing is sent)."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def build(name: str, params, lr: float, steps: int, freeze, extra: dict | None = None):
@@ -279,8 +298,8 @@ def build(name: str, params, lr: float, steps: int, freeze, extra: dict | None =
 
     if name in ("adamw", "adamw_binsgdm"):
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0), False
-    if name == "unvoted_binsgdm":
-        return unvoted_binsgdm(params, lr), False
+    if name in ("unvoted_binsgdm", "mean_vote_binsgdm"):
+        return binsgdm_baseline(params, lr, exact_mean=name == "mean_vote_binsgdm"), False
     if name == "lamb":
         return hf_onebit.OneBitLamb(params, lr=lr, freeze_step=10**9, warmup_bits=None), True
     if name == "binsgdm":  # no warmup, no freeze
@@ -304,6 +323,8 @@ def run_cell(task, cell: dict, rank: int, world: int) -> dict:
     ddp = DDP(model)
     if hooked:
         hf_onebit.attach(ddp, opt)
+    elif cell["method"] == "mean_vote_binsgdm":
+        ddp.register_comm_hook(None, local_gradients)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / cell["steps"])
     t0 = time.perf_counter()
     loss = None
@@ -347,7 +368,7 @@ def _worker(rank, world, port, args, cells, queue):
 
 def baselines_of(methods) -> list[str]:
     """The uncompressed runs that ``methods`` are judged against."""
-    return sorted({BASELINE[m] for m in methods} | {SECOND_BASELINE[m] for m in methods if m in SECOND_BASELINE})
+    return sorted({BASELINE[m] for m in methods} | {b for m in methods for b in MORE_BASELINES.get(m, {}).values()})
 
 
 def cells_of(args, world: int) -> list[dict]:
@@ -415,9 +436,7 @@ def gaps(runs: list[dict], metric: str) -> list[dict]:
     for r in runs:
         if r["method"] not in BASELINE:
             continue
-        pairs = [(r["method"], BASELINE[r["method"]])]
-        if r["method"] in SECOND_BASELINE:
-            pairs.append((r["method"] + "_novote", SECOND_BASELINE[r["method"]]))
+        pairs = [(r["method"], BASELINE[r["method"]]), *MORE_BASELINES.get(r["method"], {}).items()]
         for label, baseline in pairs:
             b = base.get((baseline, r["lr_mult"], r["steps"], r["world"], r["seed"]))
             if b is not None:
@@ -464,7 +483,7 @@ def print_report(results: list[dict]) -> None:
     units = {task_name(r["meta"]): ("points" if r["meta"]["metric"] == "accuracy" else "% loss") for r in results}
     print("worst gap to the method's own uncompressed baseline (positive: worse), mean over seeds:")
     for (task, method), (gap, (freeze, mult, steps, world), n) in sorted(s["worst"].items()):
-        print(f"  {task:<13} {LABELS[method]:<11} {gap:+7.2f} {units[task]:<7} at lr x{mult:g}, {steps} steps,"
+        print(f"  {task:<13} {LABELS[method]:<21} {gap:+7.2f} {units[task]:<7} at lr x{mult:g}, {steps} steps,"
               f" {world} ranks, freeze {freeze} ({n} seed{'s' if n > 1 else ''})")
 
 

@@ -375,7 +375,8 @@ def test_the_robustness_table_reprints_the_stored_grid():
              "lm_width_blocks", "bow_8ranks_width_blocks", "minilm_lamb_240_width_blocks",
              "minilm_lamb_240_tweets_width_blocks", "teacher_lamb_step_bound", "bow_2ranks_lamb_step_bound",
              "bow_8ranks_lamb_step_bound", "lm_lamb_step_bound", "minilm_lamb_240_step_bound",
-             "minilm_lamb_240_tweets_step_bound"]
+             "minilm_lamb_240_tweets_step_bound", "teacher_binsgdm_mean", "bow_2ranks_binsgdm_mean",
+             "bow_8ranks_binsgdm_mean", "lm_binsgdm_mean", "lm_short_binsgdm_mean"]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "robustness.py"), "--report",
                            *[str(REPO / "docs" / "img" / "robustness" / f"{f}.json") for f in files]],
                           capture_output=True, text=True, timeout=120)
@@ -384,7 +385,7 @@ def test_the_robustness_table_reprints_the_stored_grid():
     assert "{" + ",".join(files) + "}.json" in results
     rows = {r[0]: r for r in _table_rows(results, "| method | bow: worst cell")}
     names = {"1-bit Adam": "onebit_adam", "0/1 Adam": "zeroone_adam", "1-bit LAMB": "onebit_lamb",
-             "BinSGDM vs no vote": None, "BinSGDM": "binsgdm"}  # the longer label first
+             "BinSGDM vs no vote": None, "BinSGDM vs exact mean": None, "BinSGDM": "binsgdm"}  # longer labels first
     which = {r[0].strip("`"): r for r in _table_rows(_text("docs/getting-started.md"), "| `--optim` |")}
     for line in proc.stdout.splitlines()[1:]:
         task, rest = line.split(None, 1)

@@ -27,7 +27,8 @@ def _args(**kw):
 def test_each_method_runs_at_each_freeze_and_each_baseline_once():
     cells = rb.cells_of(_args(), world=8)
     names = [(c["method"], c["freeze"]) for c in cells if c["lr_mult"] == 1.0]
-    assert sorted(names) == sorted([("adamw", "-"), ("adamw_binsgdm", "-"), ("lamb", "-"), ("unvoted_binsgdm", "-"), ("binsgdm", "-")]
+    assert sorted(names) == sorted([("adamw", "-"), ("adamw_binsgdm", "-"), ("lamb", "-"), ("mean_vote_binsgdm", "-"),
+                                   ("unvoted_binsgdm", "-"), ("binsgdm", "-")]
                                    + [(m, f) for m in ("onebit_adam", "zeroone_adam", "onebit_lamb")
                                       for f in ("auto", "0.2")])
     spec = rb.TASKS["bow"]
@@ -83,11 +84,14 @@ def test_a_tiny_grid_runs_and_reports(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [(r["method"], r["freeze_step"]) for r in result["runs"]] == [
-        ("adamw_binsgdm", None), ("lamb", None), ("unvoted_binsgdm", None), ("onebit_lamb", 3), ("binsgdm", None)]
+        ("adamw_binsgdm", None), ("lamb", None), ("mean_vote_binsgdm", None), ("unvoted_binsgdm", None),
+        ("onebit_lamb", 3), ("binsgdm", None)]
     assert all(0 <= r["score"] <= 100 for r in result["runs"])
-    assert result["runs"][3]["compression_ratio"] > 1  # it compressed after its freeze
+    assert result["runs"][4]["compression_ratio"] > 1  # it compressed after its freeze
     assert "1-bit LAMB" in proc.stdout
-    assert "BinSGDM vs no vote" in proc.stdout  # BinSGDM also against its own update without the vote
+    # BinSGDM also against its own update without the vote: the exact mean of its ranks' votes, and
+    # the update of the averaged gradient
+    assert "BinSGDM vs exact mean" in proc.stdout and "BinSGDM vs no vote" in proc.stdout
 
 
 def test_one_bit_lamb_keeps_lambs_progress_where_training_needs_its_lr(tmp_path):

@@ -13,10 +13,17 @@ def check_betas(betas: Sequence[float], name: str = "betas") -> None:
             raise ValueError(f"{name} must lie in [0, 1), got {tuple(betas)}")
 
 
-def check_common(lr: float, eps: float, weight_decay: float) -> None:
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if not value >= 0.0:  # NaN fails too
-            raise ValueError(f"{name} must be >= 0, got {value}")
+def check_common(group: dict) -> None:
+    """What every optimizer's parameter group has: ``lr``, ``eps``, ``weight_decay`` and (the
+    Adams and LAMB) ``betas``."""
+    for name in ("lr", "eps", "weight_decay"):
+        if not group[name] >= 0.0:  # NaN fails too
+            raise ValueError(f"{name} must be >= 0, got {group[name]}")
+    if "betas" in group:
+        betas = group["betas"]
+        if not isinstance(betas, Sequence) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        check_betas(betas)
 
 
 def check_positive_int(value: int, name: str) -> None:
