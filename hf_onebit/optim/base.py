@@ -9,14 +9,14 @@ node layout, the byte counters) belongs to the optimizer's :class:`~hf_onebit.ex
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from hf_onebit.exchange import Exchange, Plan
 from hf_onebit.optim import adam_state, guards, rank_state
-from hf_onebit.optim.validation import check_betas, check_bool, check_common, check_scale_block
+from hf_onebit.optim.validation import check_bool, check_common, check_scale_block
 from hf_onebit.optim.workspace import Workspace
 
 logger = logging.getLogger("hf_onebit")
@@ -81,12 +81,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         Runs on the constructor's defaults and on every group, those added later by
         :meth:`add_param_group` included, before the group is added. Subclasses extend it.
         """
-        check_common(group["lr"], group["eps"], group["weight_decay"])
-        if "betas" in group:
-            betas = group["betas"]
-            if not isinstance(betas, Sequence) or len(betas) != 2:
-                raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-            check_betas(betas)
+        check_common(group)
 
     def add_param_group(self, param_group: dict) -> None:
         """As in torch, once :meth:`_check_group` has accepted the group's hyperparameters."""
