@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from hf_onebit.comm.compat import all_gather_bytes
-from hf_onebit.optim import rank_state
+from hf_onebit.optim import saved_state
 from hf_onebit.optim.base import OneBitOptimizer, logger
 
 FORMAT_VERSION = 1
@@ -83,7 +83,7 @@ def _identity(optimizer: OneBitOptimizer) -> dict:
     optimizer class, this rank among how many, the node layout and the shard size."""
     rank, world = file_rank(optimizer)
     return {"format": FORMAT_VERSION, "optimizer": type(optimizer).__name__, "rank": rank, "world_size": world,
-            "nodes": rank_state.node_layout(optimizer), "shard_size": shard_size(optimizer)}
+            "nodes": saved_state.node_layout(optimizer), "shard_size": shard_size(optimizer)}
 
 
 def save_rank_state(optimizer: OneBitOptimizer, directory: str, extra: dict | None = None) -> str:

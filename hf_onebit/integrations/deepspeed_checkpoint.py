@@ -17,7 +17,7 @@ What is taken: ``exp_avg`` and ``exp_avg_sq``, the step (DeepSpeed's counter, on
 ``exp_avg_sq_fresh`` (where the frozen ratio reads it, ``fresh_trust_ratio=False``) and
 ``scaling_coeff``. What is not: the error buffers (``worker_error`` /
 ``server_error``, rank 0's only; DeepSpeed itself dropped them on load) and the sizes DeepSpeed
-padded to. The moments go through :func:`hf_onebit.optim.adam_state.import_adam_state`, the path a
+padded to. The moments go through :func:`hf_onebit.optim.saved_state.import_adam_state`, the path a
 torch AdamW checkpoint takes.
 
 Refused with the reason: 0/1 Adam (its variance and sync schedules are counted on DeepSpeed's
@@ -130,7 +130,7 @@ def load_deepspeed_state(optimizer: OneBitOptimizer, checkpoint: dict) -> int:
         if st:
             adam["state"][i] = {"step": max(steps - 1, 0), "exp_avg": st["exp_avg"].reshape(p.shape),
                                 "exp_avg_sq": st["exp_avg_sq"].reshape(p.shape)}
-    optimizer.load_state_dict(adam)  # torch Adam's layout: adam_state.import_adam_state
+    optimizer.load_state_dict(adam)  # torch Adam's layout: saved_state.import_adam_state
     if kind == "OneBitLamb":
         for p, st in pairs:
             if not st:

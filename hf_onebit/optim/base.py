@@ -9,13 +9,12 @@ node layout, the byte counters) belongs to the optimizer's :class:`~hf_onebit.ex
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from hf_onebit.exchange import Exchange, Plan
-from hf_onebit.optim import adam_state, guards, rank_state
+from hf_onebit.optim import guards, saved_state
 from hf_onebit.optim.validation import check_bool, check_common, check_scale_block
 from hf_onebit.optim.workspace import Workspace
 
@@ -40,10 +39,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         #: Whether ``step()`` refuses non-finite gradients without a loss scaler (see
         #: :func:`~hf_onebit.optim.guards.check_finite_grads`; a setting of this process, saved nowhere).
         self.check_finite = check_finite
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.is_sparse:
-                    raise ValueError("hf_onebit optimizers do not support sparse parameters")
+        if any(p.is_sparse for group in self.param_groups for p in group["params"]):
+            raise ValueError("hf_onebit optimizers do not support sparse parameters")
         #: Everything this optimizer puts on the wire (:class:`~hf_onebit.exchange.Exchange`).
         self.exchange = Exchange(type(self).__name__, self.params_in_order, hierarchical=hierarchical,
                                  scale_per_tensor=scale_per_tensor, scale_block=check_scale_block(scale_block),
@@ -53,16 +50,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._step_plan: Plan | None = None  # the plan of the step under way (begin_step sets it)
         self._last_phase: str | None = None
 
-    @property
-    def scale_per_tensor(self) -> bool:
-        """One compression scale per parameter tensor of a bucket instead of one per rank and
-        chunk (see :class:`~hf_onebit.comm.CompressedAllReduce`'s ``piece_sizes``)."""
-        return self.exchange.scale_per_tensor
-
-    @property
-    def scale_block(self) -> int | None:
-        """At most this many elements per compression scale (``None``: no limit)."""
-        return self.exchange.scale_block
+    #: The exchange's compression settings as the constructor took them: one scale per parameter
+    #: tensor, and at most ``scale_block`` elements per scale (:class:`~hf_onebit.exchange.Exchange`).
+    scale_per_tensor = property(lambda self: self.exchange.scale_per_tensor)
+    scale_block = property(lambda self: self.exchange.scale_block)
 
     @property
     def hook_state(self):
@@ -128,15 +119,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(results, scale)
         if results is not grads:
             torch._foreach_copy_(grads, results)  # logical order, whatever the gradients' strides
-
-    def _by_group(self, params: list[torch.Tensor], value: Callable[[dict], object]) -> list[tuple[object, list[int]]]:
-        """The positions in ``params`` grouped by ``value(param group)`` (e.g. ``β1``): one list op
-        per distinct value, in first-seen order."""
-        groups = self._group_map()
-        out: dict = {}
-        for i, p in enumerate(params):
-            out.setdefault(value(groups[id(p)]), []).append(i)
-        return list(out.items())
 
     #: Bits per element of the exchanges the papers make at full precision (the warmups):
     #: ``None`` for the full-precision all-reduce (the papers'), 8 or 4 for the b-bit exchange
@@ -288,28 +270,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As in torch, but state keeps the dtype it was saved with.
-
-        torch casts floating-point state to the parameter's dtype; hf_onebit keeps moments and
-        errors in fp32 (and flags as bool) whatever the model's dtype, so undo that cast.
-        """
-        state_dict = dict(state_dict)
-        onebit = state_dict.pop("onebit", None)
-        if onebit is None and adam_state.looks_like_adam(state_dict):
-            adam_state.import_adam_state(self, state_dict)
-            return
-        saved_state = state_dict["state"]
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        super().load_state_dict(state_dict)
-        for saved_id, p in zip(saved_ids, self.params_in_order()):
-            for key, value in (saved_state.get(saved_id) or {}).items():
-                if isinstance(value, torch.Tensor):
-                    self.state[p][key] = value.to(device=p.device, copy=True)
-        self._group_cache = None
-        self._index_cache = None
-        if onebit is not None:
-            self.load_global_state(onebit)
-        self._last_phase = self.phase()
+        """As in torch, but state keeps the dtype it was saved with; a torch Adam/AdamW
+        ``state_dict`` seeds the moments (:func:`hf_onebit.optim.saved_state.load_shared`)."""
+        saved_state.load_shared(self, state_dict, super().load_state_dict)
 
     #: Whether a torch Adam/AdamW ``state_dict`` can seed this optimizer's moments.
     imports_adam_state = True
@@ -318,11 +281,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
     keeps_error_buffers = True
 
     def rank_state_dict(self) -> dict:
-        """This rank's own state (:func:`hf_onebit.optim.rank_state.save`); subclasses add theirs.
+        """This rank's own state (:func:`hf_onebit.optim.saved_state.save`); subclasses add theirs.
 
         Contains only tensors, ints and tuples, so ``torch.load(..., weights_only=True)`` reads it.
         """
-        return rank_state.save(self)
+        return saved_state.save(self)
 
     def reset_rank_state(self) -> None:
         """Start this rank's own state afresh (error buffers zero); shared state is kept.
@@ -330,8 +293,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
         For resuming when the per-rank state is missing or unusable (e.g. another world size):
         see :func:`hf_onebit.checkpoint.load_rank_state`. Subclasses extend it.
         """
-        rank_state.reset(self)
+        saved_state.reset(self)
 
     def load_rank_state_dict(self, state: dict) -> None:
         """Restore :meth:`rank_state_dict` output; segments are rebuilt lazily as buckets arrive."""
-        rank_state.load(self, state)
+        saved_state.load(self, state)

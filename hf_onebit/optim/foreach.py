@@ -148,6 +148,16 @@ def chunks(opt: OneBitOptimizer, init_state: Callable[[torch.Tensor], dict] | No
                 yield chunk
 
 
+def by_group(opt: OneBitOptimizer, params: list[torch.Tensor], value: Callable[[dict], object]) -> list[tuple[object, list[int]]]:
+    """The positions in ``params`` grouped by ``value(parameter group)`` (e.g. ``β1``): one list op
+    per distinct value, in first-seen order."""
+    groups = opt._group_map()
+    out: dict = {}
+    for i, p in enumerate(params):
+        out.setdefault(value(groups[id(p)]), []).append(i)
+    return list(out.items())
+
+
 def masked_factor(value: float, ok: torch.Tensor | None, otherwise: float = 1.0):
     """The factor a list op applies on a step masked on the device: ``value`` where the flag
     ``ok`` holds, ``otherwise`` (the neutral factor: 1 for a decay, 0 for an update) where it

@@ -31,6 +31,7 @@ import math
 import torch
 
 from hf_onebit.optim.base import logger
+from hf_onebit.optim.foreach import by_group
 
 
 #: ``auto_mask`` masks coordinates whose frozen ``sqrt(v̂)`` is below this fraction of ``eps``.
@@ -95,7 +96,7 @@ class ZeroGradientMasks:
         """``sqrt(v)·root_scale(group) + eps`` for each of ``params`` (new tensors): the step's
         denominators of the frozen variance (``root_scale``: its bias correction, or 1)."""
         d = torch._foreach_sqrt([self._init_state(p)["exp_avg_sq"] for p in params])
-        for (scale, eps), index in self._by_group(params, lambda g: (root_scale(g), g["eps"])):
+        for (scale, eps), index in by_group(self, params, lambda g: (root_scale(g), g["eps"])):
             part = [d[i] for i in index]
             if scale != 1.0:
                 torch._foreach_mul_(part, scale)

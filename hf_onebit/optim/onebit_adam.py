@@ -23,7 +23,7 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.foreach import Chunk, chunks, clip_roots_, masked_factor, select_
+from hf_onebit.optim.foreach import Chunk, by_group, chunks, clip_roots_, masked_factor, select_
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
@@ -188,7 +188,7 @@ class OneBitAdam(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             if inv_scale is not None:
                 torch._foreach_mul_(outs, inv_scale)
             grads = outs
-        for beta1, index in self._by_group(params, lambda g: g["betas"][0]):
+        for beta1, index in by_group(self, params, lambda g: g["betas"][0]):
             # _init_state: a parameter without a gradient in the warmup has no state yet
             m = [self._init_state(params[i])["exp_avg"] for i in index]
             mixed = torch._foreach_lerp(m, [grads[i] for i in index], 1 - beta1)  # β1·m + (1-β1)·g in one pass

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan
-from hf_onebit.optim.foreach import Chunk, chunks, clip_roots_, logical, masked_factor, maxima, reduced, select_
+from hf_onebit.optim.foreach import Chunk, by_group, chunks, clip_roots_, logical, masked_factor, maxima, reduced, select_
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.masks import ZeroGradientMasks
@@ -201,7 +201,7 @@ class OneBitLamb(FreezeSchedule, ZeroGradientMasks, OneBitOptimizer):
             return super().prepare_bucket(plan, params, grads, outs, inv_scale)
         if outs is not grads:
             torch._foreach_copy_(outs, grads)
-        for beta1, index in self._by_group(params, lambda g: g["betas"][0]):
+        for beta1, index in by_group(self, params, lambda g: g["betas"][0]):
             sub = [outs[i] for i in index]
             # (1 − β1)·inv_scale in fp64 (a 0-dim tensor), rounded once to fp32 as a Python float is
             torch._foreach_mul_(sub, (1 - beta1) if inv_scale is None else (1 - beta1) * inv_scale)

@@ -33,7 +33,7 @@ import math
 import torch
 
 from hf_onebit.optim.base import OneBitOptimizer, Plan, logger
-from hf_onebit.optim.foreach import Chunk, chunks, masked_factor
+from hf_onebit.optim.foreach import Chunk, by_group, chunks, masked_factor
 from hf_onebit.optim.defaults import LIBRARY_DEFAULT, resolve as resolve_defaults
 from hf_onebit.optim.freeze import AutoFreeze, FreezeSchedule
 from hf_onebit.optim.local_state import LocalPhaseState
@@ -491,7 +491,7 @@ class ZeroOneAdam(LocalPhaseState, FreezeSchedule, ZeroGradientMasks, OneBitOpti
         with its views of the segment's work buffer."""
         groups = self._group_map()
         out = []
-        for _, index in self._by_group(seg_params, id):
+        for _, index in by_group(self, seg_params, id):
             ps = [seg_params[i] for i in index]
             chunk = Chunk(ps, None, [self._init_local_state(p) for p in ps], groups[id(ps[0])], self._workspace)
             out.append((chunk, [views[i] for i in index]))

@@ -53,19 +53,19 @@ def test_per_rank_state_of_another_node_layout_is_refused_unless_there_are_no_er
     is refused by a run by node (and vice versa); BinSGDM keeps none, so its state loads either way."""
     from hf_onebit import BinSGDM, OneBitAdam
     from hf_onebit.comm.topology import NodeTopology
-    from hf_onebit.optim import rank_state
+    from hf_onebit.optim import saved_state
 
     params = [torch.nn.Parameter(torch.zeros(8))]
     flat = OneBitAdam(params)
-    saved = rank_state.save(flat)
+    saved = saved_state.save(flat)
     assert saved["nodes"] is None
     by_node = OneBitAdam(params)
     by_node.exchange._nodes = NodeTopology(local_size=2, nodes=2, node=0, local_rank=0)  # as decided under 2 x 2
     with pytest.raises(ValueError, match=r"saved with the flat exchange, this run uses the exchange by node \(2 nodes of 2"):
-        rank_state.load(by_node, saved)
-    assert rank_state.save(by_node)["nodes"] == [2, 2]
+        saved_state.load(by_node, saved)
+    assert saved_state.save(by_node)["nodes"] == [2, 2]
     with pytest.raises(ValueError, match=r"saved with the exchange by node .* this run uses the flat exchange.*on_mismatch='reset'"):
-        rank_state.load(flat, rank_state.save(by_node))
+        saved_state.load(flat, saved_state.save(by_node))
     votes = BinSGDM(params)
     votes.exchange._nodes = NodeTopology(local_size=2, nodes=2, node=0, local_rank=0)
     state = votes.rank_state_dict()
