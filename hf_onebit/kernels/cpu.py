@@ -49,7 +49,7 @@ from .cpu_loops import (
     _worker_sumsq,
     _worker_sumsq_pieces,
 )
-from .reference import check_bounds, levels, pack_codes, pack_signs, unpack_codes, unpack_signs
+from .reference import check_bounds, levels, pack_codes, pack_signs, unpack_codes, unpack_signs  # noqa: F401 (the backend's operations: contract.OPERATIONS)
 
 #: the kernel contract's operations, and the code helpers every backend shares with the reference
 __all__ = [*contract.OPERATIONS, "levels", "pack_codes", "unpack_codes"]

@@ -42,7 +42,8 @@ the destination (the gradient bucket), with no fp32 intermediate.
 Where the code is: this module holds the public functions (host code: argument checks, then one
 launch each); :mod:`hf_onebit.kernels.triton_kernels` their kernels (and why these agree bitwise
 with the reference); :mod:`hf_onebit.kernels.triton_pieces` the piece variants (``bounds=``) on
-the host, :mod:`hf_onebit.kernels.triton_piece_kernels` on the device.
+the host, :mod:`hf_onebit.kernels.triton_piece_kernels` on the device; BinSGDM's kernels and their host
+functions are in :mod:`hf_onebit.kernels.triton_votes`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import torch
 import triton
 
 from . import contract
-from .reference import check_bounds, levels, pack_bools, pack_codes, pack_signs, unpack_codes, unpack_signs
+from .reference import check_bounds, levels, pack_bools, pack_codes, pack_signs, unpack_codes, unpack_signs  # noqa: F401 (the backend's operations: contract.OPERATIONS)
 from .triton_kernels import (
     DEFAULT_BLOCK,
     _check_block,
@@ -69,8 +70,6 @@ from .triton_kernels import (
     _server_pack_kernel,
     _server_sumsq_kernel,
     _unpack_scaled_kernel,
-    _vote_threshold_kernel,
-    _vote_uniform_kernel,
     _worker_pack_kernel,
     _worker_sumsq_kernel,
 )
@@ -93,6 +92,7 @@ from .triton_pieces import (
     _worker_pack_pieces,
     _worker_scale_pieces,
 )
+from .triton_votes import vote_threshold, vote_uniform, vote_uniform_table  # noqa: F401 (the backend's operations: contract.OPERATIONS)
 
 #: the kernel contract's operations, and the code helpers every backend shares with the reference
 __all__ = [*contract.OPERATIONS, "DEFAULT_BLOCK", "levels", "pack_codes", "unpack_codes"]
@@ -584,63 +584,3 @@ def qunpack_scaled(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
             )
     if target is not out:
         out.copy_(target.view(out.shape))
-
-
-# --------------------------------------------------------------------------------------------
-# BinSGDM's worker math
-# --------------------------------------------------------------------------------------------
-
-
-def vote_threshold(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
-                   m_out: torch.Tensor, b_out: torch.Tensor, theta: torch.Tensor, block: int = DEFAULT_BLOCK) -> None:
-    """One pass of :func:`hf_onebit.kernels.reference.vote_threshold` (bitwise the same) over a
-    flat bucket: reads ``m, b, g``, writes ``m_out, b_out, theta`` (24 bytes per element; the
-    reference's ten torch operations move about 80 and launch ten kernels). No host sync."""
-    _check_block(block)
-    numel = contract.check_vote(m, b, g, m_out, b_out, theta)
-    _same_device(m, b, g, m_out, b_out, theta)
-    if numel == 0:
-        return
-    with _on_device(m):
-        # The scalars go as Python floats, which Triton passes as fp32 (rounded as torch rounds a
-        # Python scalar against an fp32 tensor); ``1 - beta`` is formed in double first, as torch does.
-        _vote_threshold_kernel[(triton.cdiv(numel, block),)](
-            m, b, g, m_out, b_out, theta, numel, float(beta), float(1.0 - beta), float(eps),
-            NAN_TO_ZERO=eps == 0.0, BLOCK=block, **_launch_options(block),
-        )
-
-
-def vote_uniform_table(offsets, indices, device) -> tuple:
-    """The device table :func:`vote_uniform` reads for one bucket layout, made once per layout (a
-    host-to-device copy): int64 rows of the pieces' offsets, their first Philox blocks (prefix
-    sums of ``ceil(n_i / 8)``) and their indices; with the last offset, kept on the host."""
-    offsets, indices = contract.check_vote_pieces(offsets, indices)
-    firsts = [0]
-    for a, b in zip(offsets, offsets[1:]):
-        firsts.append(firsts[-1] + (b - a + 7) // 8)
-    return torch.tensor([offsets, firsts, indices + [0]], dtype=torch.int64, device=device), offsets[-1]
-
-
-def vote_uniform(out: torch.Tensor, table, *, seed: int, stream: int, step: int, rows: int = 128) -> None:
-    """:func:`hf_onebit.kernels.reference.vote_uniform` (numpy's Philox per piece, bitwise) for
-    the whole bucket in one launch, so CUDA draws exactly what CPU draws. ``rows``: Philox blocks
-    (8 floats each) per program, a power of two. No host sync."""
-    device_table, last = table
-    contract.check_vote_uniform(out, last, seed, stream, step)
-    _same_device(out, device_table)
-    if rows < 1 or rows & (rows - 1):
-        raise ValueError(f"rows must be a power of two, got {rows}")
-    pieces = device_table.shape[1] - 1
-    if pieces == 0:
-        return
-    # an upper bound of the Philox blocks from host metadata (the exact count is on the device):
-    # the pieces lie within out, so there are at most numel/8 + pieces of them
-    bound = out.numel() // 8 + pieces
-    # 22-bit chunks: i32 arguments whatever the values (see the kernel); the search spans 2**16
-    # pieces (a bucket of more gets a second variant), so one compiled kernel serves every bucket
-    chunks = [(int(x) >> shift) & 0x3FFFFF for x in (seed, stream, step) for shift in (44, 22, 0)]
-    with _on_device(out):
-        _vote_uniform_kernel[(triton.cdiv(bound, rows),)](
-            out, device_table, pieces, *chunks, SEARCH_BITS=max(16, (pieces - 1).bit_length()), ROWS=rows,
-            **_launch_options(rows * 8),
-        )

@@ -78,12 +78,12 @@ def load_triton():
             allow_module_level=True,
         )
     from hf_onebit.kernels import triton as T
-    from hf_onebit.kernels import triton_kernels, triton_piece_kernels, triton_pieces
+    from hf_onebit.kernels import triton_kernels, triton_piece_kernels, triton_pieces, triton_votes
 
     if not isinstance(triton_kernels._worker_pack_kernel, InterpretedFunction):
         # The backend was imported earlier without the interpreter (while triton itself had it):
         # rebuild its kernels now, each module after the ones it imports from.
-        for module in (triton_kernels, triton_piece_kernels, triton_pieces, T):
+        for module in (triton_kernels, triton_piece_kernels, triton_pieces, triton_votes, T):
             importlib.reload(module)
     return T
 
