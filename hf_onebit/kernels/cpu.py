@@ -16,8 +16,9 @@ The b-bit operations (``q*``) are defined exactly, scales included, and match th
 reference bitwise; :func:`qunpack_scaled` converts a table of every code's value per piece the
 same way for 16-bit and float64 outs, and writes fp32 outs directly.
 
-Every tensor -> numpy conversion of the backend is made in this file: it is host code by
-construction, which tests/optim/test_host_syncs.py exempts by this file's name.
+Every tensor -> numpy conversion of the backend is made in this file and in
+:mod:`hf_onebit.kernels.cpu_votes` (BinSGDM's kernels): host code by construction, which
+tests/optim/test_host_syncs.py exempts by these files' names.
 """
 
 from __future__ import annotations
@@ -42,14 +43,13 @@ from .cpu_loops import (
     _server_sumsq_pieces,
     _unpack,
     _unpack_pieces,
-    _vote_threshold,
-    _vote_uniform,
     _worker_pack,
     _worker_pack_pieces,
     _worker_sumsq,
     _worker_sumsq_pieces,
 )
 from .reference import check_bounds, levels, pack_codes, pack_signs, unpack_codes, unpack_signs  # noqa: F401 (the backend's operations: contract.OPERATIONS)
+from .cpu_votes import vote_threshold, vote_uniform, vote_uniform_table  # noqa: F401 (the backend's operations)
 
 #: the kernel contract's operations, and the code helpers every backend shares with the reference
 __all__ = [*contract.OPERATIONS, "levels", "pack_codes", "unpack_codes"]
@@ -449,41 +449,3 @@ def qunpack_scaled(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
     q = torch.arange(2**width, dtype=torch.float32) - levels(width)  # every code's level
     lut = (q * torch.from_numpy(sc).reshape(-1, 1)).to(out.dtype).view(raw)
     _qunpack_lut_pieces(cn, lut.contiguous().numpy(), bnd, flat.view(raw).numpy(), int(width))
-
-
-# --------------------------------------------------------------------------------------------
-# BinSGDM's worker math (the contract's vote_threshold)
-# --------------------------------------------------------------------------------------------
-
-
-def vote_threshold(m: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *, beta: float, eps: float,
-                   m_out: torch.Tensor, b_out: torch.Tensor, theta: torch.Tensor) -> None:
-    """One pass of :func:`hf_onebit.kernels.reference.vote_threshold` (same results, bitwise).
-
-    ``m_out = β·m + (1-β)·g``, ``b_out = β·b + (1-β)·|g|``, ``theta = (1 + m_out/(b_out+eps))/2``
-    over flat contiguous fp32 CPU tensors; every operation rounded on its own, in the torch
-    function's order, with the scalars rounded to fp32 as torch rounds them. The torch version
-    makes ten passes over memory, this one one.
-    """
-    contract.check_vote(m, b, g, m_out, b_out, theta)
-    arrays = [_inplace_view(name, t, torch.float32) for name, t in
-              (("m", m), ("b", b), ("g", g), ("m_out", m_out), ("b_out", b_out), ("theta", theta))]
-    f32 = np.float32
-    _vote_threshold(arrays[0], arrays[1], arrays[2], f32(beta), f32(1.0 - beta), f32(eps), eps == 0.0,
-                    arrays[3], arrays[4], arrays[5])
-
-
-def vote_uniform_table(offsets, indices, device) -> tuple:
-    """:func:`hf_onebit.kernels.reference.vote_uniform_table` as numpy arrays (made once per layout)."""
-    offsets, indices = contract.check_vote_pieces(offsets, indices)
-    return np.array(offsets, dtype=np.int64), np.array(indices, dtype=np.uint64)
-
-
-def vote_uniform(out: torch.Tensor, table, *, seed: int, stream: int, step: int) -> None:
-    """:func:`hf_onebit.kernels.reference.vote_uniform` (numpy's Philox per piece, bitwise) in one
-    numba call for the whole bucket, instead of resetting a numpy generator per parameter."""
-    offsets, indices = table
-    contract.check_vote_uniform(out, int(offsets[-1]), seed, stream, step)
-    flat = _inplace_view("out", out, torch.float32)
-    u64 = np.uint64
-    _vote_uniform(flat, offsets, indices, u64(step), u64(seed), u64(stream))

@@ -68,10 +68,11 @@ and run the single-scale kernels above on each piece's slices (piece bounds are 
 so each slice owns whole bytes of the packed bits). A piece costs one call (a few hundred ns),
 so hundreds of pieces in a multi-MB buffer cost nothing measurable.
 
-One file. Every numba function of the backend lives here: with ``cache=True`` numba notices an
-edit only to the file that defines a cached function, not to the functions (or constants) it
-uses from other files, so loops split across files could keep running stale machine code from
-``__pycache__`` after an edit.
+One file for the loops that call one another: with ``cache=True`` numba notices an edit only to
+the file that defines a cached function, not to the functions (or constants) it uses from other
+files, so loops split across files could keep running stale machine code from ``__pycache__``
+after an edit. BinSGDM's loops, which share nothing with these, are in
+:mod:`hf_onebit.kernels.cpu_votes`.
 """
 
 from __future__ import annotations
@@ -829,79 +830,3 @@ def _qunpack_lut_pieces(codes, lut, bounds, out, width):
             break
         hi = min(bounds[p + 1], total)
         _qunpack_lut_span(codes[lo * width // 8 : (hi * width + 7) // 8], lut[p], out[lo:hi], width)
-
-
-# --------------------------------------------------------------------------------------------
-# BinSGDM's worker math (see hf_onebit.kernels.cpu.vote_threshold)
-# --------------------------------------------------------------------------------------------
-
-
-@njit(**_JIT, error_model="numpy")  # x/0 is ±inf or NaN as in torch, not a ZeroDivisionError
-def _vote_threshold(m, b, g, beta, one_minus_beta, eps, nan_to_zero, m_out, b_out, theta):
-    one, half = np.float32(1.0), np.float32(0.5)
-    for i in range(m.size):
-        gi = g[i]
-        mo = m[i] * beta + gi * one_minus_beta  # each product and the sum rounded to fp32 (no FMA)
-        bo = b[i] * beta + abs(gi) * one_minus_beta
-        m_out[i] = mo
-        b_out[i] = bo
-        z = mo / (bo + eps)
-        if nan_to_zero and z != z:
-            z = np.float32(0.0)
-        theta[i] = (z + one) * half
-
-
-
-# --------------------------------------------------------------------------------------------
-# BinSGDM's draws: numpy's Philox-4x64 for many counters in one call
-# --------------------------------------------------------------------------------------------
-# numpy's ``Generator(Philox(key=(k0, k1), counter=c)).random(n, float32)`` with a fresh state
-# (empty buffer) draws from the blocks of counters c+1, c+2, ... (the counter is incremented
-# before each block of four 64-bit words), uses each word as two 32-bit halves (low first) and
-# turns each half into ``(half >> 8)·2**-24``. :func:`_vote_uniform` computes exactly those
-# numbers for many counters ``[0, 0, index_i, step]`` into one flat buffer, so BinSGDM draws a
-# whole bucket in one call instead of resetting a generator per parameter (bitwise numpy's,
-# checked in tests/kernels/test_backend_vote.py). The 64x64 -> 128-bit products are formed from
-# 32-bit halves (numba has no 128-bit integers).
-
-_U64 = np.uint64
-_PHILOX_M0, _PHILOX_M1 = _U64(0xD2E7470EE14C6C93), _U64(0xCA5A826395121157)
-_PHILOX_W0, _PHILOX_W1 = _U64(0x9E3779B97F4A7C15), _U64(0xBB67AE8584CAA73B)
-_LOW32, _SHIFT32 = _U64(0xFFFFFFFF), _U64(32)
-
-
-@njit(**_JIT)
-def _mulhilo64(a, b):
-    a_lo, a_hi = a & _LOW32, a >> _SHIFT32
-    b_lo, b_hi = b & _LOW32, b >> _SHIFT32
-    p0, p1, p2, p3 = a_lo * b_lo, a_lo * b_hi, a_hi * b_lo, a_hi * b_hi
-    mid = (p0 >> _SHIFT32) + (p1 & _LOW32) + (p2 & _LOW32)
-    return p3 + (p1 >> _SHIFT32) + (p2 >> _SHIFT32) + (mid >> _SHIFT32), a * b
-
-
-@njit(**_JIT)
-def _philox4x64(c0, c1, c2, c3, k0, k1):
-    """Philox-4x64-10 (Random123, as numpy runs it) of the counter ``c`` under the key ``k``."""
-    for r in range(10):
-        if r:
-            k0 += _PHILOX_W0
-            k1 += _PHILOX_W1
-        hi0, lo0 = _mulhilo64(_PHILOX_M0, c0)
-        hi1, lo1 = _mulhilo64(_PHILOX_M1, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return c0, c1, c2, c3
-
-
-@njit(**_JIT)
-def _vote_uniform(out, offsets, indices, step, k0, k1):
-    """``out[offsets[i]:offsets[i+1]]`` = numpy's float32 draws of counter ``[0, 0, indices[i], step]``."""
-    scale = np.float32(1.0 / 16777216.0)
-    eight = _U64(8)
-    for i in range(indices.size):
-        lo, n = offsets[i], offsets[i + 1] - offsets[i]
-        for k in range((n + 7) // 8):
-            w = _philox4x64(_U64(k + 1), _U64(0), indices[i], step, k0, k1)
-            for j in range(min(8, n - 8 * k)):
-                word = w[j // 2]
-                half = (word >> _SHIFT32) if j % 2 else (word & _LOW32)
-                out[lo + 8 * k + j] = np.float32(half >> eight) * scale

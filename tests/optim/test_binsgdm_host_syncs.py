@@ -10,7 +10,7 @@ hook, on any thread) and ``step()``:
 * conversions made inside Triton's interpreter are not counted (on a GPU the kernels are compiled
   and launched without any);
 * steps 1 and 2 may build layouts (DDP rebuilds its buckets after its first iteration): the
-  allowed conversions are the draws' table, ``kernels/triton.py:vote_uniform_table`` (one
+  allowed conversions are the draws' table, ``kernels/triton_votes.py:vote_uniform_table`` (one
   host-to-device copy per layout), the vote packing's weights (once per device) and the pinned
   host byte that the finiteness verdicts land in (once);
 * later steps: none at all, bf16 without a loss scaler (with the finiteness check of a GPU, which
@@ -30,7 +30,7 @@ from tests.optim.harness import backward_and_step
 from tests.optim.test_host_syncs import SyncWatch
 
 #: one-time setup: the draws' table of each layout, the vote packing's weights made once per device
-TABLE = "kernels/triton.py:vote_uniform_table torch.tensor"
+TABLE = "kernels/triton_votes.py:vote_uniform_table torch.tensor"
 ONE_TIME = {TABLE, "kernels/reference.py:_weights torch.tensor", "optim/guards.py:_pinned_flag numpy"}
 STEPS = 5
 

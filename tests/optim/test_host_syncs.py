@@ -21,7 +21,7 @@ What may appear:
   only from :data:`ONE_TIME` (the masks frozen at the end of the warmup, a compression
   segment's index tensor, the vote packing weights made once per device).
 
-Host code by construction is exempt: the numba CPU kernels (``kernels/cpu.py``; on CUDA the
+Host code by construction is exempt: the numba CPU kernels (``kernels/cpu*.py``; on CUDA the
 Triton kernels run, which ``hf-onebit check`` watches with ``torch.cuda.set_sync_debug_mode``)
 and numpy's Philox in ``VoteStream.uniform_`` (CUDA tensors use torch's generator). BinSGDM's
 vote packing is forced onto its device path, which CUDA takes.
@@ -44,7 +44,7 @@ from tests.optim.harness import backward_and_step
 CONVERSIONS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy", "cpu")
 
 #: (file under hf_onebit/, function, conversion): host-side by construction, never run on CUDA.
-EXEMPT = {("kernels/cpu.py", "*", "*"), ("optim/vote_streams.py", "uniform_", "numpy")}
+EXEMPT = {("kernels/cpu.py", "*", "*"), ("kernels/cpu_votes.py", "*", "*"), ("optim/vote_streams.py", "uniform_", "numpy")}
 
 #: One-time setup allowed on the first step of a phase (never in a steady step).
 ONE_TIME = {"optim/masks.py:freeze_masks", "comm/pieces.py:__init__", "kernels/reference.py:_weights",
