@@ -32,19 +32,19 @@ argument                    library default
 ``update_clip``             ``1.0`` (1-bit LAMB ``1.5``): no coordinate's adaptive step exceeds ``lr``
                             where the variance is stale (after the freeze), so an early freeze cannot
                             blow up a step. 1-bit LAMB's momentum is exchanged in its own units, each
-                            coordinate at its block's scale, which a clip at 1.0 cut on up to 93% of
-                            the coordinates: its step became ``sign(m)``.
+                            coordinate at its block's scale, so a clip at 1.0 cut most coordinates
+                            and its step became ``sign(m)`` (``docs/results.md``).
 ``step_bound``              ``3.0`` (1-bit LAMB): after the freeze no tensor steps more than 3 times
                             as far as LAMB's own trust ratio of the exchanged update would take it:
                             the frozen ratio does not normalize the step as LAMB's does, and from
-                            scratch at a large lr single tensors took 5-9 times LAMB's step.
+                            scratch at a large lr single tensors took several times LAMB's step.
 ``warmup_bits``             ``8``: the warmup (0/1 Adam: its variance steps) exchanges the gradient
                             at 8 bits with error feedback (``docs/algorithms.md``, "Exchanges")
                             instead of 32, so the warmup, which the automatic freeze keeps long,
                             sends 3.6x fewer bytes. Its blocks are 8 times shorter than the
                             1-bit phase's (``scale_block``): at 256 elements its rounding cost a
-                            small LM trained from scratch at 4x the advised lr 3-4% of held-out
-                            loss, at 32 about 1% (``docs/results.md``). Where 0/1 Adam has 1-bit gradient steps between
+                            small LM trained from scratch at a large lr several times what it costs
+                            at 32 (``docs/results.md``). Where 0/1 Adam has 1-bit gradient steps between
                             its variance steps (a ``var_update_scaler``), the variance steps keep
                             error buffers apart from theirs: a shared pair would hand the 8-bit
                             gradient the variance is built from the 1-bit steps' far larger
