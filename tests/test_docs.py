@@ -376,7 +376,8 @@ def test_the_robustness_table_reprints_the_stored_grid():
              "minilm_lamb_240_tweets_width_blocks", "teacher_lamb_step_bound", "bow_2ranks_lamb_step_bound",
              "bow_8ranks_lamb_step_bound", "lm_lamb_step_bound", "minilm_lamb_240_step_bound",
              "minilm_lamb_240_tweets_step_bound", "teacher_binsgdm_mean", "bow_2ranks_binsgdm_mean",
-             "bow_8ranks_binsgdm_mean", "lm_binsgdm_mean", "lm_short_binsgdm_mean"]
+             "bow_8ranks_binsgdm_mean", "lm_binsgdm_mean", "lm_short_binsgdm_mean",
+             "minilm_240_adam", "minilm_240_adam_tweets"]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "robustness.py"), "--report",
                            *[str(REPO / "docs" / "img" / "robustness" / f"{f}.json") for f in files]],
                           capture_output=True, text=True, timeout=120)
