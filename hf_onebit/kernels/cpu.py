@@ -7,10 +7,11 @@ that grows with the buffer (a few KiB of per-call scratch at most).
 
 This module is the host side: it checks the arguments, views the caller's tensors as numpy
 arrays without copying them (bf16 and fp16 as raw 16-bit integers: numba cannot load those
-dtypes) and calls the numba loops of :mod:`hf_onebit.kernels.cpu_loops`, whose docstring
-explains why they look as they do. Outputs of :func:`unpack_scaled` hold only two distinct values per chunk
-(``±t_j``): torch converts those ``2·n`` values to the out dtype (bitwise what the reference's
-``copy_`` does), and the loop only copies raw bit patterns.
+dtypes) and calls the numba loops of :mod:`hf_onebit.kernels.cpu_sign_loops` and
+:mod:`hf_onebit.kernels.cpu_code_loops`, whose docstrings explain why they look as they do. Outputs of
+:func:`unpack_scaled` hold only two distinct values per chunk (``±t_j``): torch converts those
+``2·n`` values to the out dtype (bitwise what the reference's ``copy_`` does), and the loop only
+copies raw bit patterns.
 
 The b-bit operations (``q*``) are defined exactly, scales included, and match the
 reference bitwise; :func:`qunpack_scaled` converts a table of every code's value per piece the
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from . import contract
-from .cpu_loops import (
+from .cpu_code_loops import (
     _qserver_amax_pieces,
     _qserver_average_pieces,
     _qserver_pack_pieces,
@@ -35,6 +36,8 @@ from .cpu_loops import (
     _qunpack_pieces,
     _qworker_amax_pieces,
     _qworker_pack_pieces,
+)
+from .cpu_sign_loops import (
     _server_average,
     _server_average_pieces,
     _server_pack,

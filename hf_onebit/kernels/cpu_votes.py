@@ -5,7 +5,7 @@
 call. Both are part of the CPU backend (:mod:`hf_onebit.kernels.cpu` exports them). Their numba
 loops call nothing outside this file, so numba's cache (``cache=True``, which notices edits only
 to the file that defines a function) never runs stale code of them (see
-:mod:`hf_onebit.kernels.cpu_loops`).
+:mod:`hf_onebit.kernels.cpu_jit`).
 """
 
 from __future__ import annotations

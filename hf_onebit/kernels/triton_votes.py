@@ -49,7 +49,7 @@ def _vote_threshold_kernel(m_ptr, b_ptr, g_ptr, m_out_ptr, b_out_ptr, theta_ptr,
 # --------------------------------------------------------------------------------------------
 # BinSGDM's draws: numpy's Philox-4x64 for every parameter of a bucket in one launch
 # --------------------------------------------------------------------------------------------
-# The numbers of hf_onebit.kernels.cpu_loops._vote_uniform (see there: numpy's float32 draws of
+# The numbers of hf_onebit.kernels.cpu_votes._vote_uniform (see there: numpy's float32 draws of
 # a fresh generator per counter [0, 0, index, step]), so CUDA draws what CPU draws. One row of
 # a program's tile is one Philox block (four 64-bit words, eight floats) of one parameter; a
 # row finds its parameter by a branchless binary search over the parameters' first blocks.

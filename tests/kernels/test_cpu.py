@@ -1,4 +1,5 @@
-"""What only the numba CPU backend has: BinSGDM's fused worker math and its vote packing.
+"""What only the numba CPU backend has: BinSGDM's fused worker math, its vote packing, and the
+digest that keeps numba's cache of the loop files in step with the code they share.
 
 The compression operations it shares with the other backends are checked against the reference
 for every backend in ``test_backend_*.py``.
@@ -62,3 +63,22 @@ def test_pack_bools_matches_the_reference_layout():
     for backend in (cpu, ref):
         with pytest.raises(ValueError, match="multiple of 8"):
             backend.pack_bools(votes[:9], torch.empty(1, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------- numba's cache of the loop files
+def test_every_loop_file_that_inlines_cpu_jit_names_its_digest():
+    """numba keys a cached loop on its own file alone: a file that calls cpu_jit's loops must
+    refuse to import against another cpu_jit, so that editing cpu_jit forces an edit there."""
+    import pathlib
+    import re
+
+    from hf_onebit.kernels import cpu_jit
+
+    users = [p for p in pathlib.Path(cpu_jit.__file__).parent.glob("*.py") if "from .cpu_jit import" in p.read_text()]
+    assert {p.name for p in users} >= {"cpu_sign_loops.py", "cpu_code_loops.py"}
+    for path in users:
+        named = re.findall(r'require_digest\("([0-9a-f]+)", "([\w.]+)"\)', path.read_text())
+        assert [name for _, name in named] == [path.name], path.name
+        cpu_jit.require_digest(named[0][0], path.name)  # the current digest: no error
+    with pytest.raises(ImportError, match="set the digest that cpu_code_loops.py passes to require_digest to '[0-9a-f]{16}'"):
+        cpu_jit.require_digest("0" * 16, "cpu_code_loops.py")
