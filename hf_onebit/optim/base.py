@@ -55,15 +55,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
     scale_per_tensor = property(lambda self: self.exchange.scale_per_tensor)
     scale_block = property(lambda self: self.exchange.scale_block)
 
-    @property
-    def hook_state(self):
-        """The hook state (:class:`hf_onebit.hook.OneBitHookState`), which sets itself here when
-        built (``hf_onebit.attach`` builds it); ``None``: not attached."""
-        return self.exchange.hook_state
-
-    @hook_state.setter
-    def hook_state(self, state) -> None:
-        self.exchange.hook_state = state
+    #: The hook state (:class:`hf_onebit.hook.OneBitHookState`), which sets itself here when built
+    #: (``hf_onebit.attach`` builds it); ``None``: not attached.
+    hook_state = property(lambda self: self.exchange.hook_state,
+                          lambda self, state: setattr(self.exchange, "hook_state", state))
 
     # ---------------------------------------------------------------- parameter groups
     def _check_group(self, group: dict) -> None:
@@ -78,7 +73,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """As in torch, once :meth:`_check_group` has accepted the group's hyperparameters."""
         self._check_group({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}})
         super().add_param_group(param_group)
-        self._group_cache = self._index_cache = None  # the parameter order changed
+        self.params_changed()
 
     # ---------------------------------------------------------------- to implement
     def plan(self) -> Plan:
@@ -181,7 +176,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 if p in self.state:
                     self.state[new] = self.state.pop(p)
                 group["params"][k] = new
-        self._group_cache = self._index_cache = None
+        self.params_changed()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As in torch; the hook state may clear gradients the optimizer does not hold (FSDP2's)."""
@@ -197,14 +192,17 @@ class OneBitOptimizer(torch.optim.Optimizer):
         index = self._index_of()
         return tuple(index[id(p)] for p in params)
 
+    def params_changed(self) -> None:
+        """Forget the lookups by parameter (:meth:`_index_of`, :meth:`_group_map`): the groups or
+        their order changed."""
+        self._group_cache = self._index_cache = None
+
     def _index_of(self) -> dict[int, int]:
-        if self._index_cache is None:  # reset by add_param_group and load_state_dict
-            self._index_cache = {id(p): i for i, p in enumerate(self.params_in_order())}
+        self._index_cache = self._index_cache or {id(p): i for i, p in enumerate(self.params_in_order())}
         return self._index_cache
 
     def _group_map(self) -> dict[int, dict]:
-        if self._group_cache is None:  # reset by add_param_group and load_state_dict
-            self._group_cache = {id(p): g for g in self.param_groups for p in g["params"]}
+        self._group_cache = self._group_cache or {id(p): g for g in self.param_groups for p in g["params"]}
         return self._group_cache
 
     def exchange_bucket(self, call, hook_state) -> torch.futures.Future:

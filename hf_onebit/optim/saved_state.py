@@ -34,7 +34,7 @@ def load_shared(opt: OneBitOptimizer, state_dict: dict, torch_load: Callable[[di
     saved_state = state_dict["state"]
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     torch_load(state_dict)
-    opt._group_cache = opt._index_cache = None
+    opt.params_changed()
     for saved_id, p in zip(saved_ids, opt.params_in_order()):
         for key, value in (saved_state.get(saved_id) or {}).items():
             if isinstance(value, torch.Tensor):
