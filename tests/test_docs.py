@@ -377,7 +377,8 @@ def test_the_robustness_table_reprints_the_stored_grid():
              "bow_8ranks_lamb_step_bound", "lm_lamb_step_bound", "minilm_lamb_240_step_bound",
              "minilm_lamb_240_tweets_step_bound", "teacher_binsgdm_mean", "bow_2ranks_binsgdm_mean",
              "bow_8ranks_binsgdm_mean", "lm_binsgdm_mean", "lm_short_binsgdm_mean",
-             "minilm_240_adam", "minilm_240_adam_tweets"]
+             "minilm_240_adam", "minilm_240_adam_tweets", "bow_2ranks_lamb_seeds456",
+             "bow_2ranks_binsgdm_seeds456", "minilm_lamb_240_tweets_seeds34"]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "robustness.py"), "--report",
                            *[str(REPO / "docs" / "img" / "robustness" / f"{f}.json") for f in files]],
                           capture_output=True, text=True, timeout=120)
