@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 
 from hf_onebit.kernels import cpu, reference
+from hf_onebit.kernels.contract import Bounds
 
 
 def time_interleaved(ops: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -71,6 +72,7 @@ def piece_ops(mod, numel: int, n: int, pieces: int) -> dict[str, Callable[[], ob
     chunk = numel // n
     cuts = sorted(set(bounds) | {j * chunk for j in range(n + 1)})
     local = [b for b in cuts if b <= chunk]  # the pieces of chunk 0
+    bounds, cuts, local = Bounds(bounds), Bounds(cuts), Bounds(local)  # as the exchange passes them: checked once
     P = len(bounds) - 1
     scales = torch.ones(n, P)
     rows = torch.randint(0, 256, (n, chunk // 8), dtype=torch.uint8, generator=gen)
@@ -107,6 +109,7 @@ def quantized_ops(mod, numel: int, n: int, width: int, pieces: int) -> dict[str,
     chunk = numel // n
     cuts = sorted(set(bounds) | {j * chunk for j in range(n + 1)})
     local = [b for b in cuts if b <= chunk]  # the pieces of chunk 0
+    bounds, cuts, local = Bounds(bounds), Bounds(cuts), Bounds(local)  # as the exchange passes them: checked once
     scales = torch.ones(n, len(bounds) - 1)
     rows = torch.randint(0, 2**width, (n, chunk * width // 8), dtype=torch.uint8, generator=gen)
     server_error = torch.randn(chunk, generator=gen) * 0.1

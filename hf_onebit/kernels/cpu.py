@@ -116,7 +116,17 @@ def _rms(sumsq: float, count: int) -> torch.Tensor:
 
 
 def _bounds_array(bounds, length: int) -> np.ndarray:
-    return np.asarray(check_bounds(bounds, length), dtype=np.int64)
+    """The checked bounds as int64, kept in a :class:`~hf_onebit.kernels.contract.Bounds` layout
+    (what the exchange passes) so that it is checked and converted once, not at every call:
+    with 32-element pieces that costs more than the kernels themselves."""
+    owned = getattr(bounds, "tables", None)
+    array = None if owned is None else owned.get(("cpu", length))
+    if array is None:
+        array = np.asarray(check_bounds(bounds, length), dtype=np.int64)
+        array.flags.writeable = False
+        if owned is not None:
+            owned[("cpu", length)] = array
+    return array
 
 
 def _piece_scales(scales: torch.Tensor, rows: int, pieces: int) -> np.ndarray:

@@ -237,7 +237,7 @@ def _qaverage_block(rows, scales, acc, width):
 def _qserver_average(codes, scales, out, width):
     n, nbytes = codes.shape
     step = _BLOCK * width // 8
-    nothing = np.empty(0, np.float32)
+    nothing = out[:0]
     for b0 in range(0, nbytes, step):
         b1 = min(b0 + step, nbytes)
         block = out[b0 * 8 // width : b1 * 8 // width]
@@ -246,13 +246,14 @@ def _qserver_average(codes, scales, out, width):
 
 
 @njit(**_QJIT)
-def _qserver_amax(codes, scales, server_error, width):
+def _qserver_amax(codes, scales, server_error, width, avg):
     """Bits of ``max|z|``, z = average + server_error (one read-only pass, blocked): the
-    worker's loop with the block's average as ``x``."""
+    worker's loop with the block's average as ``x``. ``avg``: scratch of :data:`_BLOCK`
+    elements, reused for every block (and piece: an allocation per piece would cost more than
+    a short piece's elements), so it stays in L1."""
     n, nbytes = codes.shape
     step = _BLOCK * width // 8
-    avg = np.empty(_BLOCK, np.float32)  # reused for every block, stays in L1
-    nothing = np.empty(0, np.float32)
+    nothing = avg[:0]
     m = np.uint32(0)
     for b0 in range(0, nbytes, step):
         b1 = min(b0 + step, nbytes)
@@ -266,12 +267,12 @@ def _qserver_amax(codes, scales, server_error, width):
 
 
 @njit(**_QJIT)
-def _qserver_pack(codes, scales, server_error, t, update, codes_out, width):
-    """codes_out = codes of z = average + ē at scale ``t``; if ``update``, ē = z - t·q."""
+def _qserver_pack(codes, scales, server_error, t, update, codes_out, width, avg):
+    """codes_out = codes of z = average + ē at scale ``t``; if ``update``, ē = z - t·q
+    (``avg`` as for :func:`_qserver_amax`)."""
     n, nbytes = codes.shape
     step = _BLOCK * width // 8
-    avg = np.empty(_BLOCK, np.float32)
-    nothing = np.empty(0, np.float32)
+    nothing = avg[:0]
     for b0 in range(0, nbytes, step):
         b1 = min(b0 + step, nbytes)
         lo = b0 * 8 // width
@@ -293,24 +294,26 @@ def _qserver_average_pieces(codes, scales_t, bounds, out, width):
 
 @njit(**_QJIT)
 def _qserver_amax_pieces(codes, scales_t, server_error, bounds, out, width):
+    avg = np.empty(_BLOCK, np.float32)
     for p in range(bounds.size - 1):
         lo = bounds[p]
         hi = bounds[p + 1]
         out[p] = (
-            _qserver_amax(codes[:, lo * width // 8 : hi * width // 8], scales_t[p], server_error[lo:hi], width)
+            _qserver_amax(codes[:, lo * width // 8 : hi * width // 8], scales_t[p], server_error[lo:hi], width, avg)
             if hi > lo else np.uint32(0)
         )
 
 
 @njit(**_QJIT)
 def _qserver_pack_pieces(codes, scales_t, server_error, t, update, codes_out, bounds, width):
+    avg = np.empty(_BLOCK, np.float32)
     for p in range(bounds.size - 1):
         lo = bounds[p]
         hi = bounds[p + 1]
         if hi > lo:
             _qserver_pack(
                 codes[:, lo * width // 8 : hi * width // 8], scales_t[p], server_error[lo:hi], t[p], update,
-                codes_out[lo * width // 8 : hi * width // 8], width,
+                codes_out[lo * width // 8 : hi * width // 8], width, avg,
             )
 
 

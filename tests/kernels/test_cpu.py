@@ -82,3 +82,24 @@ def test_every_loop_file_that_inlines_cpu_jit_names_its_digest():
         cpu_jit.require_digest(named[0][0], path.name)  # the current digest: no error
     with pytest.raises(ImportError, match="set the digest that cpu_code_loops.py passes to require_digest to '[0-9a-f]{16}'"):
         cpu_jit.require_digest("0" * 16, "cpu_code_loops.py")
+
+
+# ---------------------------------------------------------------- piece layouts checked once
+def test_a_bounds_layout_is_checked_once_and_a_plain_sequence_every_call(monkeypatch):
+    """The exchange passes a contract.Bounds per segment: its bounds are checked and converted
+    once (with 32-element pieces that cost more than the kernels); a plain list at every call."""
+    from hf_onebit.kernels.contract import Bounds
+
+    checked = []
+    real = cpu.check_bounds
+    monkeypatch.setattr(cpu, "check_bounds", lambda b, n: checked.append(n) or real(b, n))
+    x, error = torch.randn(256), torch.zeros(256)
+    layout, plain = Bounds(range(0, 257, 32)), list(range(0, 257, 32))
+    for _ in range(3):
+        got = cpu.qworker_scale(x, error, width=8, bounds=layout)
+    assert checked == [256] and torch.equal(got, ref.qworker_scale(x, error, width=8, bounds=plain))
+    for _ in range(2):
+        cpu.qworker_scale(x, error, width=8, bounds=plain)
+    assert checked == [256] * 3
+    with pytest.raises(ValueError, match="multiple of 8"):  # a bad layout is refused at its first use
+        cpu.qworker_scale(x, error, width=8, bounds=Bounds([0, 4, 256]))
