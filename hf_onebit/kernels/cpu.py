@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import contract
+from .cpu_jit import _BLOCK
 from .cpu_code_loops import (
     _qserver_amax_pieces,
     _qserver_average_pieces,
@@ -188,7 +189,7 @@ def worker_pack(
     update = bool(torch.isfinite(scales).all())  # on the given dtype, as the reference does
     if bounds is None:
         s = _scales_f32(scales, scales.numel())
-        _worker_pack(_input_view(x), e, b, s[rank], update)
+        _worker_pack(_input_view(x), e, b, s[rank], update, np.empty(_BLOCK, np.uint8))
         return
     bnd = _bounds_array(bounds, e.size)
     pieces = bnd.size - 1
@@ -210,7 +211,7 @@ def server_average(bits: torch.Tensor, scales: torch.Tensor, *, bounds=None) -> 
     bn = _bits_view(bits)
     out = torch.empty(8 * bn.shape[1], dtype=torch.float32)
     if bounds is None:
-        _server_average(bn, _scales_f32(scales, bn.shape[0]), out.numpy())
+        _server_average(bn, _scales_f32(scales, bn.shape[0]), out.numpy(), np.empty(_BLOCK, np.uint8))
     else:
         bnd = _bounds_array(bounds, out.numel())
         _server_average_pieces(bn, _piece_scales(scales, bn.shape[0], bnd.size - 1), bnd, out.numpy())
@@ -228,7 +229,8 @@ def server_scale(
     bn = _bits_view(bits)
     e = _inplace_view("server_error", server_error, torch.float32)
     if bounds is None:
-        return _rms(_server_sumsq(bn, _scales_f32(scales, bn.shape[0]), e), e.size)
+        z, flags = np.empty(_BLOCK, np.float32), np.empty(_BLOCK, np.uint8)
+        return _rms(_server_sumsq(bn, _scales_f32(scales, bn.shape[0]), e, z, flags), e.size)
     bnd = _bounds_array(bounds, e.size)
     sumsq = np.empty(bnd.size - 1, np.float64)
     _server_sumsq_pieces(bn, _piece_scales(scales, bn.shape[0], bnd.size - 1), e, bnd, sumsq)
@@ -258,7 +260,8 @@ def server_pack(
         raise ValueError(f"scale must hold one value, got {scale.numel()}")
     update = bool(torch.isfinite(scale).all())
     t = scale.reshape(-1).to(torch.float32).numpy()[0]
-    _server_pack(bn, _scales_f32(scales, bn.shape[0]), e, t, update, b)
+    z, flags = np.empty(_BLOCK, np.float32), np.empty(_BLOCK, np.uint8)
+    _server_pack(bn, _scales_f32(scales, bn.shape[0]), e, t, update, b, z, flags)
 
 
 def _server_pack_views(bits, server_error, bits_out):

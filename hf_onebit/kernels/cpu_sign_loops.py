@@ -110,12 +110,13 @@ def _byte_to_flags(byte):
 
 
 @njit(**_JIT)
-def _worker_pack(x, error, bits_out, s, update):
+def _worker_pack(x, error, bits_out, s, update, flags):
     """bits_out = packed sign⁺(y), y = x (zero-padded to error.size) + error; if ``update``,
-    error = y - s·sign⁺(y)."""
+    error = y - s·sign⁺(y). ``flags``: :data:`_BLOCK` bytes of scratch, reused for every block
+    (and by the caller for every piece: an allocation per piece costs more than a short
+    piece's elements), so it stays in L1."""
     n = x.size
     neg = s * np.float32(-1.0)
-    flags = np.empty(_BLOCK, np.uint8)  # reused for every block, stays in L1
     words = flags.view(np.uint64)
     # Whole blocks first. The constant trip count, plain `base + j` indexing and the inlined
     # packing loop matter: they spare a slice and a call per block (iterating over slices and
@@ -197,11 +198,10 @@ def _average_block(rows, scales, acc, flags):
 
 
 @njit(**_JIT)
-def _server_average(bits, scales, out):
+def _server_average(bits, scales, out, flags):
     n, nbytes = bits.shape
     step = _BLOCK // 8
-    flags = np.empty(_BLOCK, np.uint8)
-    nothing = np.empty(0, np.float32)
+    nothing = out[:0]
     for b0 in range(0, nbytes, step):
         b1 = min(b0 + step, nbytes)
         block = out[8 * b0 : 8 * b1]
@@ -210,11 +210,10 @@ def _server_average(bits, scales, out):
 
 
 @njit(**_JIT)
-def _server_sumsq(bits, scales, server_error):
+def _server_sumsq(bits, scales, server_error, z, flags):
+    """(``z``: :data:`_BLOCK` fp32 scratch, ``flags`` as for :func:`_worker_pack`.)"""
     n, nbytes = bits.shape
     step = _BLOCK // 8
-    z = np.empty(_BLOCK, np.float32)
-    flags = np.empty(_BLOCK, np.uint8)
     total = 0.0
     for b0 in range(0, nbytes, step):
         b1 = min(b0 + step, nbytes)
@@ -226,11 +225,9 @@ def _server_sumsq(bits, scales, server_error):
 
 
 @njit(**_JIT)
-def _server_pack(bits, scales, server_error, t, update, bits_out):
+def _server_pack(bits, scales, server_error, t, update, bits_out, z, flags):
     n, nbytes = bits.shape
     step = _BLOCK // 8
-    z = np.empty(_BLOCK, np.float32)
-    flags = np.empty(_BLOCK, np.uint8)
     neg = t * np.float32(-1.0)
     for b0 in range(0, nbytes, step):
         b1 = min(b0 + step, nbytes)
@@ -291,39 +288,46 @@ def _worker_sumsq_pieces(x, error, bounds, out):
 @njit(**_JIT)
 def _worker_pack_pieces(x, error, bits_out, own, bounds, update):
     n = x.size
+    flags = np.empty(_BLOCK, np.uint8)
     for p in range(bounds.size - 1):
         lo = bounds[p]
         hi = bounds[p + 1]
         if hi > lo:
-            _worker_pack(x[min(lo, n) : min(hi, n)], error[lo:hi], bits_out[lo // 8 : hi // 8], own[p], update)
+            _worker_pack(x[min(lo, n) : min(hi, n)], error[lo:hi], bits_out[lo // 8 : hi // 8], own[p], update, flags)
 
 
 @njit(**_JIT)
 def _server_average_pieces(bits, scales_t, bounds, out):
+    flags = np.empty(_BLOCK, np.uint8)
     for p in range(bounds.size - 1):
         lo = bounds[p]
         hi = bounds[p + 1]
         if hi > lo:
-            _server_average(bits[:, lo // 8 : hi // 8], scales_t[p], out[lo:hi])
+            _server_average(bits[:, lo // 8 : hi // 8], scales_t[p], out[lo:hi], flags)
 
 
 @njit(**_JIT)
 def _server_sumsq_pieces(bits, scales_t, server_error, bounds, out):
+    z = np.empty(_BLOCK, np.float32)
+    flags = np.empty(_BLOCK, np.uint8)
     for p in range(bounds.size - 1):
         lo = bounds[p]
         hi = bounds[p + 1]
-        out[p] = _server_sumsq(bits[:, lo // 8 : hi // 8], scales_t[p], server_error[lo:hi]) if hi > lo else 0.0
+        rows = bits[:, lo // 8 : hi // 8]
+        out[p] = _server_sumsq(rows, scales_t[p], server_error[lo:hi], z, flags) if hi > lo else 0.0
 
 
 @njit(**_JIT)
 def _server_pack_pieces(bits, scales_t, server_error, t, update, bits_out, bounds):
+    z = np.empty(_BLOCK, np.float32)
+    flags = np.empty(_BLOCK, np.uint8)
     for p in range(bounds.size - 1):
         lo = bounds[p]
         hi = bounds[p + 1]
         if hi > lo:
             _server_pack(
                 bits[:, lo // 8 : hi // 8], scales_t[p], server_error[lo:hi], t[p], update,
-                bits_out[lo // 8 : hi // 8],
+                bits_out[lo // 8 : hi // 8], z, flags,
             )
 
 
